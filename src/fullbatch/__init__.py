@@ -1,0 +1,23 @@
+"""fullbatch: gradient accumulation that trains exactly like the full batch.
+
+>>> import fullbatch as fb
+>>> sorted(fb.__all__)[:3]
+['Accumulator', 'StepStats', 'Window']
+"""
+
+from fullbatch._accumulator import Accumulator
+from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
+from fullbatch._stats import StepStats
+from fullbatch._window import Window
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accumulator",
+    "StepStats",
+    "Window",
+    "__version__",
+    "causal_lm_loss",
+    "count_tokens",
+    "cross_entropy_sum",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from fullbatch.cli import main
+
+sys.exit(main())

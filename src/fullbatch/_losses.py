@@ -1,0 +1,94 @@
+"""Summed losses and item counts: the two numbers every ``window.backward`` call needs.
+
+Both losses return ``(loss summed over counted items, number of counted items)``. They compute
+in ``promote_types(logits.dtype, float32)``: half-precision logits are upcast, float64 stays
+float64, so a float64 reference test is really float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_lm_loss", "count_tokens", "cross_entropy_sum"]
+
+
+def _shifted(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Position t predicts token t + 1: drop the last logit and the first label.
+    return logits[..., :-1, :], labels[..., 1:]
+
+
+def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match labels of shape "
+            f"{tuple(labels.shape)}: logits must be labels.shape + (num_classes,)."
+        )
+
+
+def count_tokens(
+    labels: torch.Tensor, ignore_index: int = -100, shift: bool = True
+) -> torch.Tensor:
+    """Number of labels that a summed loss really contains, as a 0-dim int64 tensor.
+
+    With ``shift=True`` (causal LM) the first label of every row is not predicted and is not
+    counted. The result stays on ``labels.device``: no host synchronization.
+
+    >>> import torch, fullbatch as fb
+    >>> fb.count_tokens(torch.tensor([[5, 6, -100]]))
+    tensor(1)
+    """
+    if shift:
+        labels = labels[..., 1:]
+    return (labels != ignore_index).sum()
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over non-ignored labels, and how many labels that is.
+
+    For sample classification (``logits`` ``[B, C]``, ``labels`` ``[B]``) and token
+    classification or masked-LM encoders (``[B, T, C]`` and ``[B, T]``). With ``shift=True``
+    it is :func:`causal_lm_loss`.
+
+    Returns:
+        ``(loss_sum, count)``: 0-dim tensors; ``loss_sum`` in
+        ``promote_types(logits.dtype, float32)``, ``count`` int64. A micro-batch with every
+        label ignored gives ``(0.0, 0)`` with a gradient of zeros, never NaN.
+
+    >>> import torch, fullbatch as fb
+    >>> loss_sum, n = fb.cross_entropy_sum(torch.zeros(3, 4), torch.tensor([0, -100, 2]))
+    >>> round(loss_sum.item(), 4), n.item()
+    (2.7726, 2)
+    """
+    if shift:
+        logits, labels = _shifted(logits, labels)
+    _check_shapes(logits, labels)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).to(dtype)
+    flat_labels = labels.reshape(-1)
+    loss_sum = F.cross_entropy(
+        flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
+    )
+    return loss_sum, (flat_labels != ignore_index).sum()
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy of a causal LM, summed, and the number of predicted tokens.
+
+    ``labels`` are aligned with the inputs (as Hugging Face models take them): the shift by one
+    happens here. Padding and prompt positions carry ``ignore_index``.
+
+    >>> import torch, fullbatch as fb
+    >>> logits = torch.zeros(1, 3, 5)
+    >>> loss_sum, n = fb.causal_lm_loss(logits, torch.tensor([[1, 2, -100]]))
+    >>> n.item()
+    1
+    """
+    return cross_entropy_sum(logits, labels, ignore_index=ignore_index, shift=True)
