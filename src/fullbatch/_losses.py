@@ -71,9 +71,7 @@ def cross_entropy_sum(
     dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_logits = logits.reshape(-1, logits.shape[-1]).to(dtype)
     flat_labels = labels.reshape(-1)
-    loss_sum = F.cross_entropy(
-        flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
-    )
+    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     return loss_sum, (flat_labels != ignore_index).sum()
 
 

@@ -44,4 +44,6 @@ class StepStats:
         if self.skipped:
             return f"step {self.steps}: skipped ({self.reason})"
         norm = "nan" if math.isnan(self.grad_norm) else f"{self.grad_norm:.4g}"
-        return f"step {self.steps}: loss {self.loss:.4f} over {self.count:g} items, grad norm {norm}"
+        return (
+            f"step {self.steps}: loss {self.loss:.4f} over {self.count:g} items, grad norm {norm}"
+        )

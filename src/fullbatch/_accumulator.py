@@ -1,0 +1,322 @@
+"""``Accumulator``: owns the invariants of accumulation (windows, normalization, sync, the
+order at the step); the training loop stays the user's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
+from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
+from fullbatch._split import split_rows
+from fullbatch._stats import StepStats
+from fullbatch._step import discard_window, step_window
+from fullbatch._sync import make_sync
+from fullbatch._window import Window
+from fullbatch._windows import Feed, Stream
+
+__all__ = ["Accumulator"]
+
+# Slots of the window-start all-gather: one row per rank.
+_REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+class Accumulator:
+    """Gradient accumulation whose every step equals the full-batch step.
+
+    Args:
+        model: a plain module, a ``DistributedDataParallel`` model or an FSDP2
+            (``fully_shard``) model.
+        optimizer: stepped once per window, with the normalized gradient.
+        micro_batches: the loader yields micro-batches; this many per rank make a window.
+        micro_batch_size: the loader yields whole windows; each is split into micro-batches
+            of this many rows (tensors with rows first; other leaves go to every micro-batch).
+            Exactly one of ``micro_batches`` and ``micro_batch_size`` is given.
+        scheduler: stepped once per optimizer step (not on skipped windows).
+        scaler: a ``torch.amp.GradScaler``; scales each backward, unscales before clipping,
+            updated once per window.
+        max_grad_norm: clip the total gradient 2-norm to this value (the reported norm is
+            the one before clipping).
+        partial_window: ``"step"`` steps a last, shorter window normalized by its own count;
+            ``"drop"`` drops it on every rank (only with ``micro_batches``).
+        counts: ``{name: fn(micro) -> number}``; their global sums over the window are
+            ``window.totals`` before the first backward (the window is read ahead).
+        process_group: checked against the wrapper's group; a different one raises.
+        batchnorm: ``"window"`` gives BatchNorm layers the running statistics of the whole
+            window; ``None`` warns when the model has BatchNorm layers in training mode.
+        padding_micro_batch: a callable returning a micro-batch for ranks that run padding
+            micro-batches (distributed); by default the rank's last real micro-batch is used.
+        ddp_sync: ``"last"`` (each rank's last micro-batch synchronizes) or ``"step"`` (one
+            bucketed all-reduce at ``step()``: several backward calls, ranks with no data).
+        fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch) or
+            ``"micro_batch"`` (every micro-batch; less memory).
+        grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
+
+    Example:
+        >>> import torch, fullbatch as fb
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> batch = {"x": torch.randn(5, 3), "y": torch.tensor([0, 1, 1, 0, -100])}
+        >>> with fb.Accumulator(model, opt, micro_batch_size=2) as acc:
+        ...     for window in acc.windows([batch]):
+        ...         for micro in window:
+        ...             loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+        ...             window.backward(loss_sum, n)
+        ...         stats = window.step()
+        >>> stats.count, stats.micro_batches
+        (4.0, 3)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        micro_batches: int | None = None,
+        micro_batch_size: int | str | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        max_grad_norm: float | None = None,
+        partial_window: str = "step",
+        counts: Mapping[str, Callable[[Any], Any]] | None = None,
+        process_group: Any = None,
+        batchnorm: str | None = None,
+        padding_micro_batch: Callable[[], Any] | None = None,
+        ddp_sync: str = "last",
+        fsdp_sync: str = "window",
+        grad_divisor: float | None = None,
+    ) -> None:
+        if (micro_batches is None) == (micro_batch_size is None):
+            raise ValueError(
+                "give exactly one of micro_batches=K (the loader yields micro-batches, K per "
+                "window) or micro_batch_size=M (each loader item is a window, split into rows "
+                f"of M); got micro_batches={micro_batches!r}, "
+                f"micro_batch_size={micro_batch_size!r}."
+            )
+        if micro_batch_size == "auto":
+            raise NotImplementedError(
+                "micro_batch_size='auto' needs an entry point where fullbatch calls your "
+                "per-micro-batch function (window.run(fn)), because Python does not hand an "
+                "exception raised in a `for` body back to the iterator; window.run is not "
+                "available yet. Give an integer micro_batch_size."
+            )
+        self._micro_batches = (
+            None if micro_batches is None else _positive_int("micro_batches", micro_batches)
+        )
+        self._micro_batch_size = (
+            None
+            if micro_batch_size is None
+            else _positive_int("micro_batch_size", micro_batch_size)
+        )
+        if partial_window not in ("step", "drop"):
+            raise ValueError(f"partial_window must be 'step' or 'drop', got {partial_window!r}.")
+        if partial_window == "drop" and micro_batches is None:
+            raise ValueError(
+                "partial_window='drop' works with micro_batches=K only: with micro_batch_size "
+                "every loader item is a whole window. Drop short batches in the loader instead "
+                "(DataLoader(drop_last=True))."
+            )
+        if max_grad_norm is not None and not (0 < float(max_grad_norm) < float("inf")):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
+        if counts is not None:
+            if not isinstance(counts, Mapping) or not all(callable(f) for f in counts.values()):
+                raise ValueError(
+                    f"counts must map names to functions of a micro-batch, got {counts!r}; "
+                    "e.g. counts={'tokens': lambda m: fb.count_tokens(m['labels'])}."
+                )
+        if batchnorm not in (None, "window"):
+            raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}.")
+        if padding_micro_batch is not None and not callable(padding_micro_batch):
+            raise ValueError("padding_micro_batch must be a callable returning a micro-batch.")
+        self.model = model
+        self.optimizer = optimizer
+        self._scheduler = scheduler
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._partial_window = partial_window
+        self._counts = dict(counts) if counts is not None else None
+        self._padding_micro_batch = padding_micro_batch
+        self._sync = make_sync(
+            model,
+            process_group=process_group,
+            ddp_sync=ddp_sync,
+            fsdp_sync=fsdp_sync,
+            grad_divisor=grad_divisor,
+        )
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError(
+                "the model has no parameter with requires_grad=True: nothing to train."
+            )
+        self._stat_device = (
+            self._params[0].device if self._sync.group is None else self._sync.device
+        )
+        self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
+        if batchnorm is None:
+            warn_batchnorm(model)
+        self._loss_scale: float | None = None
+        self._window: Window | None = None
+        self._closed = False
+        self.steps = 0
+        """Optimizer steps taken so far."""
+
+    # -- windows ---------------------------------------------------------------------------
+
+    def windows(self, loader: Any) -> Iterator[Window]:
+        """Yield the windows of ``loader``; the last one may be partial.
+
+        Raises:
+            RuntimeError: gradients are present when a window starts, the previous window
+                was neither stepped nor discarded, or the Accumulator is closed.
+            ValueError: a loader item cannot be split, or a rank has to pad and cannot.
+        """
+        self._check_usable()
+        stream = Stream(loader)
+        index = 0
+        while True:
+            feed = self._next_feed(stream)
+            start = self._start_window(feed, stream)
+            if start is None:
+                return
+            if start is False:  # dropped
+                continue
+            loss_scale, totals = start
+            if self._batchnorm is not None:
+                self._batchnorm.start()
+            window = Window(self, feed, index=index, loss_scale=loss_scale, totals=totals)
+            self._window = window
+            yield window
+            if not window._closed:
+                self._sync.end()
+                raise RuntimeError(
+                    f"window {index} was neither stepped nor discarded before the next one: "
+                    "call window.step() (or window.discard()) at the end of each window."
+                )
+            index += 1
+
+    def _next_feed(self, stream: Stream) -> Feed:
+        if self._micro_batch_size is not None:
+            ok, item = stream.next()
+            micros = split_rows(item, self._micro_batch_size) if ok else []
+            if ok and not micros:
+                raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
+            return Feed(micros)
+        feed = Feed([], stream, self._micro_batches or 0)
+        if (
+            self._partial_window == "drop"
+            or self._counts is not None
+            or self._sync.equal_micro_batches
+        ):
+            feed.fill()
+        else:
+            feed.lookahead()
+        return feed
+
+    def _start_window(
+        self, feed: Feed, stream: Stream
+    ) -> tuple[float, dict[str, float] | None] | bool | None:
+        """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
+
+        Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
+        """
+        real = feed.real
+        grads = any(p.grad is not None for p in self._params)
+        expected = len(real) if (self._micro_batch_size or not real) else self._micro_batches or 1
+        if self._sync.equal_micro_batches or self._partial_window == "drop":
+            expected = len(real)
+        hint = estimate_items(real[0]) * expected if real and self._loss_scale is None else 0.0
+        can_pad = self._padding_micro_batch is not None or stream.last is not None
+        row = [float(len(real)), float(feed.full), float(can_pad), hint, float(grads)]
+        names = list(self._counts or {})
+        local_totals = self._local_totals(real) if self._counts is not None else []
+        table = self._sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
+        rows = table.tolist()
+        if not any(r[_REAL] for r in rows):
+            return None
+        if any(r[_GRADS] for r in rows):
+            raise RuntimeError(
+                "gradients are already present when a window starts; fullbatch accumulates "
+                "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
+                "window.discard() to abandon a window."
+            )
+        if self._partial_window == "drop" and not all(r[_FULL] for r in rows):
+            return False
+        self._pad(feed, rows, stream)
+        if self._loss_scale is None:
+            self._loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
+        totals = None
+        if self._counts is not None:
+            sums = table[:, len(row) :].sum(dim=0).tolist()
+            totals = dict(zip(names, sums, strict=True))
+        return self._loss_scale, totals
+
+    def _pad(self, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
+        mine = self._sync.rank
+        if self._sync.equal_micro_batches:
+            need = [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
+        elif self._sync.kind == "ddp" and not self._sync.reduce_at_step:
+            need = [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
+        else:
+            return
+        stuck = [
+            rank
+            for rank, (n, r) in enumerate(zip(need, rows, strict=True))
+            if n and not r[_CAN_PAD]
+        ]
+        if stuck:
+            raise ValueError(
+                f"rank(s) {stuck} have no micro-batch in this window and nothing to pad with. "
+                "Give the Accumulator padding_micro_batch=lambda: <a micro-batch>, or give "
+                "every rank data (e.g. DistributedSampler(..., drop_last=False))."
+            )
+        make = self._padding_micro_batch or (lambda: stream.last)
+        feed.add_padding(need[mine], make)
+
+    def _local_totals(self, real: list[Any]) -> list[float]:
+        totals = []
+        for fn in (self._counts or {}).values():
+            total = 0.0
+            for micro in real:
+                value = check_count(fn(micro))
+                total += float(value)
+            totals.append(total)
+        return totals
+
+    # -- step, discard, close ----------------------------------------------------------------
+
+    def _step(self, window: Window) -> StepStats:
+        return step_window(self, window)
+
+    def _discard(self, window: Window) -> None:
+        discard_window(self, window)
+
+    def _clear_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._params:
+            p.grad = None
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Accumulator is closed; build a new one.")
+
+    def close(self) -> None:
+        """Remove hooks and restore the model's sync flags. Safe to call twice."""
+        self._sync.end()
+        if self._batchnorm is not None:
+            self._batchnorm.close()
+        self._closed = True
+
+    def __enter__(self) -> Accumulator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

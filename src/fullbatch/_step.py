@@ -1,0 +1,140 @@
+"""The step, in DESIGN.md's one order.
+
+all-reduce (loss sum, count, flags) → unscale (GradScaler) → normalize → clip (report the
+pre-clip norm) → optimizer step (skip on zero items or non-finite values) → scaler update →
+scheduler step → ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from fullbatch._normalize import accumulation_dtype, power_of_two_scale, scale_grads, squared_norm
+from fullbatch._stats import StepStats
+
+if TYPE_CHECKING:
+    from fullbatch._accumulator import Accumulator
+    from fullbatch._window import Window
+
+__all__ = ["discard_window", "step_window"]
+
+# Slots of the one small all-reduce at the step.
+_LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED = range(5)
+
+
+def _reduce_stats(
+    acc: Accumulator, window: Window | None, grads: list[torch.Tensor]
+) -> list[float]:
+    """Sum the window's numbers over ranks: one collective, one host synchronization."""
+    device = acc._stat_device
+    dtype = accumulation_dtype(device)
+    parts = [torch.zeros((), dtype=dtype, device=device) for _ in range(5)]
+    if window is None:
+        parts[_DISCARDED] += 1
+    else:
+        if window._loss_sum is not None:
+            parts[_LOSS] = parts[_LOSS] + window._loss_sum.to(device, dtype)
+        parts[_COUNT] = parts[_COUNT] + window._count_py
+        if window._count_t is not None:
+            parts[_COUNT] = parts[_COUNT] + window._count_t.to(device, dtype)
+            parts[_BAD_COUNT] = parts[_BAD_COUNT] + window._count_bad.to(device, dtype)
+        if acc._sync.sharded:
+            parts[_SHARD_SQ] = squared_norm(grads, device)
+    if acc._sync.group is None:
+        return torch.stack(parts).tolist()
+    return acc._sync.all_reduce_sum(torch.stack(parts)).tolist()
+
+
+def _lr(acc: Accumulator) -> float | None:
+    groups = acc.optimizer.param_groups
+    return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
+
+def step_window(acc: Accumulator, window: Window) -> StepStats:
+    sync = acc._sync
+    if sync.reduce_at_step:
+        sync.reduce_gradients(acc._params)
+    grads = [p.grad for p in acc._params if p.grad is not None]
+    loss_total, count, bad, shard_sq, discarded = _reduce_stats(acc, window, grads)
+    if discarded:
+        acc._clear_grads()
+        raise RuntimeError(
+            f"window {window.index} was discarded on {int(discarded)} rank(s) but stepped on "
+            "this one; window.discard() is collective: call it on every rank."
+        )
+    if bad:
+        acc._clear_grads()
+        raise ValueError(
+            f"a count passed to window.backward in window {window.index} was negative or "
+            "non-finite (a device tensor, checked at step()). The window was discarded; "
+            "counts must be finite numbers >= 0."
+        )
+    share = window._form == "share"
+    scaler = acc._scaler
+    loss_scale = 1.0 if share else window.loss_scale
+    grad_scale = 1.0
+    if scaler is not None:
+        grad_scale = float(scaler.get_scale())
+        scaler.unscale_(acc.optimizer)
+    if sync.sharded:
+        sq = shard_sq / grad_scale**2
+    else:
+        sq = float(squared_norm(grads, acc._stat_device)) if grads else 0.0
+    # The divisor W undoes the wrapper's average over ranks; c·N is the window's normalizer.
+    factor = sync.divisor if share else sync.divisor / (loss_scale * count) if count else 0.0
+    grad_norm = math.sqrt(sq) * factor if math.isfinite(sq) else math.nan
+    reason = None
+    if not share and count == 0:
+        reason, grad_norm = "no items counted in the window", math.nan
+    elif not math.isfinite(loss_total):
+        reason = "non-finite loss"
+    elif not math.isfinite(sq):
+        reason = "non-finite gradient"
+    lr = _lr(acc)
+    if reason is None:
+        clip = 1.0
+        if acc._max_grad_norm is not None:
+            clip = min(1.0, acc._max_grad_norm / (grad_norm + 1e-6))
+        scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
+        if scaler is not None:
+            scaler.step(acc.optimizer)
+        else:
+            acc.optimizer.step()
+        acc.steps += 1
+    if scaler is not None:
+        if reason == "non-finite gradient" and sync.sharded:
+            # Each rank's scaler saw only its shard: back off the same way everywhere.
+            scaler.update(grad_scale * scaler.get_backoff_factor())
+        else:
+            scaler.update()
+    if reason is None and acc._scheduler is not None:
+        acc._scheduler.step()
+    acc._clear_grads()
+    if acc._batchnorm is not None:
+        acc._batchnorm.finish(apply=reason is None)
+    if not share and count > 0:
+        acc._loss_scale = power_of_two_scale(count)  # the next window's c: ≈ 1 / N, exact
+    return StepStats(
+        loss=loss_total / count if not share and count else (loss_total if share else math.nan),
+        count=math.nan if share else count,
+        grad_norm=grad_norm,
+        skipped=reason is not None,
+        reason=reason,
+        steps=acc.steps,
+        loss_scale=loss_scale,
+        lr=lr,
+        micro_batches=window._yielded,
+        totals=dict(window._totals or {}),
+    )
+
+
+def discard_window(acc: Accumulator, window: Window) -> None:
+    acc._sync.end()
+    acc._clear_grads()
+    if acc._batchnorm is not None:
+        acc._batchnorm.finish(apply=False)
+    if acc._sync.group is not None:
+        _reduce_stats(acc, None, [])  # pairs with the others' step or discard

@@ -1,0 +1,214 @@
+"""Everything that talks to ``torch.distributed``: the only module that imports it.
+
+A :class:`Sync` answers three questions for the engine: which ranks count together (the
+group), what the wrapper divides gradients by (``W``), and how to set the wrapper's sync state
+for one micro-batch. It also runs the window's tiny collectives. Three kinds exist:
+
+- local: a plain model (W = 1, counts local; one warning under an initialized process group);
+- DDP: ``require_backward_grad_sync`` is set per micro-batch (what ``no_sync()`` sets, without
+  holding a context open across a ``yield``), or kept off and reduced at the step
+  (``ddp_sync="step"``);
+- FSDP2: ``set_requires_gradient_sync`` per micro-batch (``fsdp_sync="window"``) or on for
+  every micro-batch (``"micro_batch"``); ranks run the same number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Sync", "make_sync"]
+
+DDP_SYNC_MODES = ("last", "step")
+FSDP_SYNC_MODES = ("window", "micro_batch")
+
+
+class Sync:
+    """Local training: no collectives, no wrapper flags."""
+
+    kind = "local"
+    divisor: float = 1.0
+    group: Any = None
+    sharded = False  # gradients are shards: the norm needs a sum over ranks
+    equal_micro_batches = False  # every rank must run the window's global maximum
+    reduce_at_step = False  # the library all-reduces gradients at step() (ddp_sync="step")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    @property
+    def device(self) -> torch.device:
+        """Where collective tensors must live (NCCL needs CUDA)."""
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def begin(self, final: bool) -> None:
+        """Set the wrapper's sync state for the micro-batch about to be yielded."""
+
+    def end(self) -> None:
+        """Restore the wrapper's own sync state."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return tensor
+        moved = tensor.to(self.device)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group)
+        return moved.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[world, *tensor.shape]``: every rank's tensor, in rank order."""
+        if self.group is None:
+            return tensor.unsqueeze(0)
+        moved = tensor.to(self.device)
+        out = torch.empty((self.world, *moved.shape), dtype=moved.dtype, device=moved.device)
+        dist.all_gather_into_tensor(out, moved, group=self.group)
+        return out.to(tensor.device)
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Bucketed all-reduce (sum) of gradients at the step, for ``ddp_sync="step"``."""
+
+
+class _DDPSync(Sync):
+    kind = "ddp"
+
+    def __init__(self, model: nn.Module, mode: str, divisor: float | None) -> None:
+        super().__init__(model)
+        self.group = model.process_group
+        self.mode = mode
+        self.reduce_at_step = mode == "step"
+        # DDP averages over its group; summing ourselves at the step divides by nothing.
+        self.divisor = 1.0 if self.reduce_at_step else float(divisor or self.world)
+        self.static_graph = bool(getattr(model, "static_graph", False))
+        self._saved: bool | None = None
+
+    def begin(self, final: bool) -> None:
+        if self._saved is None:
+            self._saved = self.model.require_backward_grad_sync
+        # DDP decides at forward time whether the coming backward reduces: set it before.
+        self.model.require_backward_grad_sync = final and not self.reduce_at_step
+
+    def end(self) -> None:
+        if self._saved is not None:
+            self.model.require_backward_grad_sync = self._saved
+            self._saved = None
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        bucket_bytes = 25 * 1024 * 1024
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            if p.grad is None:  # unused here, maybe used on another rank: reduce zeros
+                p.grad = torch.zeros_like(p)
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= bucket_bytes:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class _FSDPSync(Sync):
+    kind = "fsdp2"
+    sharded = True
+    equal_micro_batches = True
+
+    def __init__(self, model: nn.Module, mode: str, divisor: float | None) -> None:
+        super().__init__(model)
+        mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+        if mesh is None:
+            raise ValueError("the FSDP2 model has no DTensor parameters: call fully_shard first.")
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"fullbatch supports FSDP2 over a 1-D device mesh; got a {mesh.ndim}-D mesh "
+                f"{mesh}. Shard over one data-parallel dimension."
+            )
+        self.group = mesh.get_group()
+        self.mode = mode
+        self.divisor = float(divisor or self.world)
+
+    def begin(self, final: bool) -> None:
+        sync = final or self.mode == "micro_batch"
+        self.model.set_requires_gradient_sync(sync)
+        self.model.set_is_last_backward(final)
+
+    def end(self) -> None:
+        self.model.set_requires_gradient_sync(True)
+        self.model.set_is_last_backward(True)
+
+
+def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {allowed}.")
+
+
+def make_sync(
+    model: nn.Module,
+    *,
+    process_group: Any = None,
+    ddp_sync: str = "last",
+    fsdp_sync: str = "window",
+    grad_divisor: float | None = None,
+) -> Sync:
+    """Inspect ``model`` and return the matching :class:`Sync`.
+
+    Raises:
+        ValueError: an unknown mode, or a ``process_group`` that is not the wrapper's group.
+    """
+    _check_mode("ddp_sync", ddp_sync, DDP_SYNC_MODES)
+    _check_mode("fsdp_sync", fsdp_sync, FSDP_SYNC_MODES)
+    if grad_divisor is not None and not grad_divisor > 0:
+        raise ValueError(f"grad_divisor must be > 0, got {grad_divisor!r}.")
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    sync: Sync
+    if isinstance(model, DistributedDataParallel):
+        sync = _DDPSync(model, ddp_sync, grad_divisor)
+    elif isinstance(model, FSDPModule):
+        sync = _FSDPSync(model, fsdp_sync, grad_divisor)
+    else:
+        sync = Sync(model)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(
+                "a process group is initialized but the model is neither DDP-wrapped nor "
+                "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
+                "model so that counts and gradients are combined over ranks.",
+                stacklevel=3,
+            )
+        if process_group is not None:
+            raise ValueError(
+                "process_group was given for a model that is not DDP-wrapped or "
+                "fully_shard'ed; the group is taken from the wrapper. Wrap the model, or drop "
+                "process_group."
+            )
+        return sync
+    if process_group is not None and process_group != sync.group:
+        ranks = dist.get_process_group_ranks(sync.group)
+        raise ValueError(
+            f"process_group={process_group!r} is not the wrapper's data-parallel group "
+            f"(ranks {ranks}). fullbatch counts items over the group the wrapper reduces "
+            "gradients over; drop process_group= or wrap the model with that group."
+        )
+    return sync

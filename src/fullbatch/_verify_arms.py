@@ -1,0 +1,241 @@
+"""The three gradients ``verify`` compares: full batch, fullbatch's Accumulator, naive ``loss / K``.
+
+Each arm leaves every ``.grad`` at ``None`` and returns the gradients it produced, keyed by
+parameter name. The fullbatch arm drives the real :class:`fullbatch.Accumulator`, so verify
+exercises the library itself, never a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._accumulator import Accumulator
+
+__all__ = [
+    "ArmResult",
+    "LossFn",
+    "compare",
+    "count_rows",
+    "full_batch_arm",
+    "fullbatch_arm",
+    "grad_norm",
+    "naive_arm",
+    "relative",
+    "take_rows",
+]
+
+Grads = dict[str, torch.Tensor | None]
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
+
+
+@dataclass
+class ArmResult:
+    """Gradients of one recipe, its loss, and (fullbatch only) what its step reported."""
+
+    grads: Grads
+    loss: float
+    count: float
+    reported_grad_norm: float | None = None
+    skipped_reason: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def count_rows(batch: Any) -> int:
+    """Rows of a batch: the first dimension of its first tensor with at least one dimension.
+
+    >>> count_rows({"x": torch.zeros(3, 2), "scale": 0.5})
+    3
+    """
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return int(batch.shape[0])
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            try:
+                return count_rows(value)
+            except ValueError:
+                continue
+    raise ValueError(
+        f"batch of type {type(batch).__name__} holds no tensor with a row dimension: pass a "
+        "tensor or a dict of tensors whose first dimension is the row count."
+    )
+
+
+def take_rows(batch: Any, start: int, stop: int, rows: int, key: str = "batch") -> Any:
+    """Rows ``start:stop`` of every tensor whose first dimension is ``rows``; others unchanged.
+
+    >>> take_rows({"x": torch.arange(4), "t": torch.tensor(2.0)}, 1, 3, 4)["x"].tolist()
+    [1, 2]
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] != rows:
+            raise ValueError(
+                f"{key} has shape {tuple(batch.shape)} but the batch has {rows} rows: every "
+                "tensor needs the row count as its first dimension (or be 0-dim)."
+            )
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: take_rows(v, start, stop, rows, f"{key}[{k!r}]") for k, v in batch.items()}
+    return batch
+
+
+def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
+    """Call ``loss_fn(model, batch)`` and check it returned ``(loss_sum, count)``."""
+    out = loss_fn(model, batch)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+        raise TypeError(
+            f"loss_fn returned {type(out).__name__}, expected (loss_sum, count): a 0-dim tensor "
+            "summed over items and how many items, e.g. "
+            "`return fb.cross_entropy_sum(model(x), y)`."
+        )
+    loss, count = out
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned a loss of shape {tuple(loss.shape)}: it must be a 0-dim sum "
+            "over items (call .sum() with reduction='none', or use reduction='sum')."
+        )
+    return loss, float(count)
+
+
+def _take_grads(params: list[tuple[str, nn.Parameter]]) -> Grads:
+    grads: Grads = {}
+    for name, param in params:
+        grads[name] = None if param.grad is None else param.grad.detach().clone()
+        param.grad = None
+    return grads
+
+
+def full_batch_arm(
+    model: nn.Module, params: list[tuple[str, nn.Parameter]], batch: Any, loss_fn: LossFn
+) -> ArmResult:
+    """The reference: ``loss_sum / count`` on the whole batch, one backward."""
+    loss, count = call_loss(loss_fn, model, batch)
+    mean = loss / count if count else loss * math.nan
+    mean.backward()
+    return ArmResult(_take_grads(params), float(mean.detach()), count)
+
+
+def naive_arm(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    batch: Any,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+) -> ArmResult:
+    """The common mistake: each micro-batch's mean ``loss_sum / count``, divided by K."""
+    rows = count_rows(batch)
+    starts = range(0, rows, micro_batch_size)
+    total, count = 0.0, 0.0
+    for start in starts:
+        micro = take_rows(batch, start, start + micro_batch_size, rows)
+        loss, n = call_loss(loss_fn, model, micro)
+        share = (loss / n if n else loss * math.nan) / len(starts)
+        share.backward()
+        total += float(share.detach())
+        count += n
+    return ArmResult(_take_grads(params), total, count)
+
+
+class _GradRecorder(torch.optim.Optimizer):
+    """An optimizer whose step copies the gradients it is given instead of updating."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, defaults={"lr": 0.0})
+        self.recorded: list[torch.Tensor | None] | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.recorded = [
+            None if p.grad is None else p.grad.detach().clone()
+            for group in self.param_groups
+            for p in group["params"]
+        ]
+
+
+def fullbatch_arm(
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    batch: Any,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+) -> ArmResult:
+    """One window of the real ``fb.Accumulator`` over ``batch``; the step records gradients."""
+    recorder = _GradRecorder([p for _, p in params])
+    stats = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accumulator(model, recorder, micro_batch_size=micro_batch_size)
+        try:
+            for window in acc.windows([batch]):
+                if stats is not None:
+                    raise RuntimeError("fb.Accumulator made two windows out of one batch")
+                for micro in window:
+                    loss, count = call_loss(loss_fn, model, micro)
+                    window.backward(loss, count)
+                stats = window.step()
+        finally:
+            acc.close()
+    if stats is None:
+        raise RuntimeError("fb.Accumulator made no window out of one batch")
+    notes = [f"fullbatch warned: {w.message}" for w in caught]
+    if stats.skipped or recorder.recorded is None:
+        grads: Grads = {name: None for name, _ in params}
+        reason = stats.reason or "no optimizer step"
+        return ArmResult(grads, stats.loss, stats.count, stats.grad_norm, reason, notes)
+    grads = {name: g for (name, _), g in zip(params, recorder.recorded, strict=True)}
+    return ArmResult(grads, stats.loss, stats.count, stats.grad_norm, None, notes)
+
+
+def grad_norm(grads: Grads) -> float:
+    """Total 2-norm of all gradients, in float64."""
+    total = sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None)
+    return math.sqrt(total)
+
+
+def relative(value: float, reference: float) -> float:
+    """``|value - reference| / |reference|`` (0 when both are 0, inf when only the latter)."""
+    if math.isnan(value) or math.isnan(reference):
+        return math.nan
+    diff = abs(value - reference)
+    if reference == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / abs(reference)
+
+
+def compare(reference: Grads, got: Grads) -> tuple[float, str | None, float]:
+    """``(worst tensor's max|Δ|/max|ref|, its name, ‖Δ‖/‖ref‖)`` computed in float64.
+
+    >>> ref = {"w": torch.tensor([2.0, 0.0]), "b": torch.tensor([0.0])}
+    >>> compare(ref, {"w": torch.tensor([2.0, 0.2]), "b": torch.tensor([0.1])})
+    (0.1, 'w', 0.1118033988749895)
+    """
+    scale = max((float(r.abs().max()) for r in reference.values() if r is not None), default=0.0)
+    worst, worst_name, diff_sq, ref_sq = 0.0, None, 0.0, 0.0
+    for name, ref in reference.items():
+        new = got.get(name)
+        if ref is None and new is None:
+            continue
+        ref64 = torch.zeros_like(new, dtype=torch.float64) if ref is None else ref.double()
+        new64 = torch.zeros_like(ref64) if new is None else new.double()
+        diff = (new64 - ref64).abs()
+        max_diff = float(diff.max()) if diff.numel() else 0.0
+        denom = float(ref64.abs().max()) if ref64.numel() else 0.0
+        denom = denom if denom > 0 else scale
+        error = max_diff / denom if denom > 0 else (0.0 if max_diff == 0 else math.inf)
+        if math.isnan(error) or (not math.isnan(worst) and error > worst):
+            worst, worst_name = error, name
+        diff_sq += float(diff.pow(2).sum())
+        ref_sq += float(ref64.pow(2).sum())
+    if ref_sq > 0:
+        global_error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
+    else:
+        global_error = 0.0 if diff_sq == 0 else (math.nan if math.isnan(diff_sq) else math.inf)
+    return worst, worst_name, global_error

@@ -1,0 +1,177 @@
+"""The result of :func:`fullbatch.verify`: plain numbers, a verdict and a readable report.
+
+Error measures (all relative to the plain full-batch reference, computed in float64):
+
+- **grad error**: the worst tensor's ``max|Δ| / max|ref|``. A per-tensor measure, so a wrong
+  small tensor (a bias, a norm weight) cannot hide behind large embedding gradients. A tensor
+  whose reference gradient is all zeros is measured against the largest reference entry of any
+  tensor.
+- **global**: ``‖Δ‖ / ‖ref‖`` over all gradients together, the usual single number.
+- **loss** and **grad norm**: ``|a - b| / |b|``.
+
+``passed`` needs all four fullbatch errors within the tolerance, an additive ``loss_fn`` and no
+randomness left that changes gradients beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["AdditivityCheck", "GradientComparison", "VerifyReport"]
+
+
+def _fmt(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}"
+
+
+def _num(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.6g}"
+
+
+@dataclass(frozen=True)
+class GradientComparison:
+    """One recipe's gradient, loss and grad norm against the full-batch reference.
+
+    Attributes:
+        recipe: ``"fullbatch"`` or ``"naive (loss / K)"``.
+        max_rel_error: worst tensor's ``max|Δ| / max|ref|``.
+        worst_tensor: name of that tensor (``None`` when there was nothing to compare).
+        global_rel_error: ``‖Δ‖ / ‖ref‖`` over all gradients.
+        loss: the recipe's reported loss.
+        loss_rel_error: ``|loss - ref| / |ref|``.
+        grad_norm: the recipe's gradient norm.
+        grad_norm_rel_error: ``|norm - ref| / ref``.
+    """
+
+    recipe: str
+    max_rel_error: float
+    worst_tensor: str | None
+    global_rel_error: float
+    loss: float
+    loss_rel_error: float
+    grad_norm: float
+    grad_norm_rel_error: float
+
+    @property
+    def worst_error(self) -> float:
+        """The largest of the four errors (NaN if any is NaN)."""
+        errors = (
+            self.max_rel_error,
+            self.global_rel_error,
+            self.loss_rel_error,
+            self.grad_norm_rel_error,
+        )
+        return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
+@dataclass(frozen=True)
+class AdditivityCheck:
+    """``loss_fn`` on the whole batch against the sum over its two halves (rows split in two).
+
+    Attributes:
+        whole: ``(loss_sum, count)`` of the whole batch.
+        halves: ``(loss_sum, count)`` of the first and of the second half.
+        sum_rel_error: ``|S - (S1 + S2)| / max(|S|, |S1| + |S2|)``.
+        counts_add: whether ``count == count1 + count2``.
+        holds: loss sums and counts both add up within the tolerance.
+        causes: what breaks additivity, one sentence each with the fix (empty when it holds).
+    """
+
+    whole: tuple[float, float]
+    halves: tuple[tuple[float, float], tuple[float, float]]
+    sum_rel_error: float
+    counts_add: bool
+    holds: bool
+    causes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        (s1, n1), (s2, n2) = self.halves
+        s, n = self.whole
+        verdict = "ok" if self.holds else "FAILED"
+        return (
+            f"additivity {verdict}: loss sum {_num(s)} vs halves {_num(s1)} + {_num(s2)} "
+            f"(rel. error {_fmt(self.sum_rel_error)}); count {n:g} vs {n1:g} + {n2:g}"
+        )
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`fullbatch.verify` found; ``str(report)`` is the readable report.
+
+    Attributes:
+        passed: fullbatch matched the full batch within ``tolerance`` and nothing (a
+            non-additive loss, leftover randomness) makes that match unreliable.
+        diagnosis: what is wrong and how to fix it, one sentence per problem (empty when
+            passed).
+        fullbatch: fullbatch's :class:`GradientComparison`.
+        naive: the naive recipe's (per-micro-batch mean ``loss_sum / count``, divided by the
+            number of micro-batches), for contrast.
+        additivity: the :class:`AdditivityCheck` (``None`` for a one-row batch).
+        nondeterminism: grad error between two identical full-batch evaluations.
+        tolerance: relative tolerance applied (by dtype: float64 1e-10, float32 1e-5).
+        dtype: the dtype the comparison ran in.
+        rows, micro_batch_size, micro_batches: the batch and how it was split.
+        count: items counted over the batch; loss, grad_norm: the full-batch reference's.
+        notes: what verify changed for the comparison (dropout, a float32 copy) and warnings.
+    """
+
+    passed: bool
+    diagnosis: list[str]
+    fullbatch: GradientComparison
+    naive: GradientComparison
+    additivity: AdditivityCheck | None
+    nondeterminism: float
+    tolerance: float
+    dtype: str
+    rows: int
+    micro_batch_size: int
+    micro_batches: int
+    count: float
+    loss: float
+    grad_norm: float
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        lines = [
+            f"fullbatch verify: {verdict} ({self.dtype}, tolerance {self.tolerance:g} relative)",
+            f"batch: {self.rows} rows -> {self.micro_batches} micro-batches of up to "
+            f"{self.micro_batch_size} rows; {self.count:g} counted items",
+            f"full batch (reference): loss {_num(self.loss)}, grad norm {_num(self.grad_norm)}",
+            "",
+            f"  {'recipe':<18}{'grad error':<12}{'worst tensor':<28}"
+            f"{'global':<10}{'loss':<10}{'grad norm':<10}",
+        ]
+        for arm in (self.fullbatch, self.naive):
+            worst = arm.worst_tensor or "-"
+            if len(worst) > 26:
+                worst = "…" + worst[-25:]
+            lines.append(
+                f"  {arm.recipe:<18}{_fmt(arm.max_rel_error):<12}{worst:<28}"
+                f"{_fmt(arm.global_rel_error):<10}{_fmt(arm.loss_rel_error):<10}"
+                f"{_fmt(arm.grad_norm_rel_error):<10}"
+            )
+        lines += [
+            "  (errors relative to the full batch: grad error = worst tensor's "
+            "max|Δ|/max|ref|, global = ‖Δ‖/‖ref‖)",
+            "",
+        ]
+        if self.additivity is not None:
+            lines.append(self.additivity.summary())
+        if self.nondeterminism == 0:
+            lines.append("randomness: none left (two full-batch evaluations are identical)")
+        else:
+            lines.append(
+                f"randomness: two identical full-batch evaluations differ by "
+                f"{_fmt(self.nondeterminism)} (grad error)"
+            )
+        for title, items in (("notes", self.notes), ("diagnosis", self.diagnosis)):
+            if items:
+                lines.append(f"{title}:")
+                lines += [f"  - {item}" for item in items]
+        return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""``Window``: the micro-batches between two optimizer steps, and the user's handle on them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fullbatch._normalize import accumulation_dtype, check_count
+from fullbatch._stats import StepStats
+from fullbatch._windows import Feed
+
+if TYPE_CHECKING:
+    from fullbatch._accumulator import Accumulator
+
+__all__ = ["Window"]
+
+_FINAL_BACKWARD_FIX = (
+    "Every rank must call window.backward on its final micro-batch, even when it counts no "
+    "items: pass count=0 instead of skipping it (an `if n == 0: continue` there breaks DDP's "
+    "and FSDP's gradient synchronization, which happens in that backward)."
+)
+
+
+class Window:
+    """The micro-batches of one optimizer step. Made by :meth:`Accumulator.windows`.
+
+    Iterate it once; call :meth:`backward` for each micro-batch it yields (once or several
+    times), then :meth:`step` (or :meth:`discard`). ``len(window)`` is the number of
+    micro-batches iteration yields, padding micro-batches included.
+
+    Example::
+
+        for window in acc.windows(loader):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            stats = window.step()
+    """
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        feed: Feed,
+        *,
+        index: int,
+        loss_scale: float,
+        totals: dict[str, float] | None,
+    ) -> None:
+        self._acc = acc
+        self._feed = feed
+        self.index = index
+        self.loss_scale = loss_scale
+        self._totals = totals
+        self._iterated = False
+        self._yielded = 0
+        self._exhausted = False
+        self._closed = False  # stepped or discarded
+        self._current_final = False
+        self._current_padding = False
+        self._current_backwards = 0
+        self._final_backward = False
+        self._backwards = 0
+        self._form: str | None = None  # "count" or "share"
+        self._loss_sum: torch.Tensor | None = None
+        self._count_py = 0.0
+        self._count_t: torch.Tensor | None = None
+        self._count_bad: torch.Tensor | None = None
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._iterated:
+            raise RuntimeError(
+                f"window {self.index} is being iterated a second time; a window yields its "
+                "micro-batches once. Keep them in a list inside the loop if you need them again."
+            )
+        self._iterated = True
+        return self
+
+    def __next__(self) -> Any:
+        self._acc._sync.end()
+        if self._closed:
+            raise RuntimeError(f"window {self.index} was already stepped or discarded.")
+        item = self._feed.pop()
+        if item is None:
+            self._exhausted = True
+            raise StopIteration
+        micro, self._current_final, self._current_padding = item
+        self._current_backwards = 0
+        self._yielded += 1
+        # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
+        self._acc._sync.begin(self._current_final)
+        return micro
+
+    def __len__(self) -> int:
+        return self._yielded + self._feed.remaining()
+
+    @property
+    def is_padding(self) -> bool:
+        """True while the current micro-batch is padding: its loss and count are ignored."""
+        return self._current_padding
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Global totals of the Accumulator's ``counts=`` functions over this window.
+
+        Raises:
+            RuntimeError: the Accumulator was built without ``counts=``.
+        """
+        if self._totals is None:
+            raise RuntimeError(
+                "window.totals needs counts= on the Accumulator, e.g. "
+                "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
+            )
+        return dict(self._totals)
+
+    # -- backward --------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{what} on window {self.index}, which was already stepped or discarded. "
+                "Use the next window from acc.windows(loader)."
+            )
+
+    def backward(self, loss: torch.Tensor, count: Any = None, **autograd_kwargs: Any) -> None:
+        """Backpropagate ``loss`` for the current micro-batch.
+
+        Args:
+            loss: a 0-dim tensor. With ``count``: the loss *summed* over ``count`` items.
+                Without: the user's share of the global objective, already divided by a
+                ``window.totals`` entry (needs ``counts=`` on the Accumulator).
+            count: what this call adds to the window's denominator: a finite number >= 0
+                (int, float or 0-dim tensor; real-valued weights allowed). A second loss term
+                over the same items passes ``count=0``.
+            **autograd_kwargs: passed to autograd, e.g. ``retain_graph=True``.
+
+        Raises:
+            ValueError: a bad count or loss, a count-less call without ``counts=``, or the
+                two forms mixed in one window.
+            RuntimeError: no current micro-batch (before the first, after the last, after
+                ``step()``/``discard()``), or a second backward on DDP's synced micro-batch.
+        """
+        self._check_open("backward()")
+        if self._exhausted or self._yielded == 0:
+            where = "after the window was exhausted" if self._exhausted else "before iterating"
+            raise RuntimeError(
+                f"backward() {where}: a backward belongs to the micro-batch the window last "
+                "yielded. Call it inside `for micro in window:`."
+            )
+        form = "share" if count is None else "count"
+        if form == "share" and self._acc._counts is None:
+            raise ValueError(
+                "window.backward(loss) without a count needs counts= on the Accumulator: "
+                "without it the loss is almost surely a per-micro-batch mean, which weights "
+                "micro-batches wrongly. Pass the summed loss and its item count, e.g. "
+                "`loss_sum, n = fb.causal_lm_loss(logits, labels); window.backward(loss_sum, n)`."
+            )
+        if self._form is not None and form != self._form:
+            raise ValueError(
+                "this window mixes backward(loss, count) and backward(share) calls; use one "
+                "form per window: with a count for summed losses, or without for shares "
+                "divided by window.totals."
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss must be a 0-dim tensor, got {shape}; sum it first.")
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss does not require grad: it was computed under torch.no_grad() or from "
+                "detached tensors, so backward would change nothing."
+            )
+        sync = self._acc._sync
+        if (
+            self._current_final
+            and self._current_backwards > 0
+            and sync.kind == "ddp"
+            and not sync.reduce_at_step
+        ):
+            raise RuntimeError(
+                "a second backward on the micro-batch where DDP synchronizes: DDP reduces "
+                "only the first backward after a synced forward (pytorch#47260). Sum the loss "
+                "terms into one backward, or build the Accumulator with ddp_sync='step'."
+            )
+        checked = check_count(count) if form == "count" else 0.0
+        loss = loss.reshape(())
+        target = self._target(loss, form)
+        scaler = self._acc._scaler
+        if scaler is not None:
+            target = scaler.scale(target)
+        torch.autograd.backward(target, **autograd_kwargs)
+        self._record(loss, checked, form)
+
+    def _target(self, loss: torch.Tensor, form: str) -> torch.Tensor:
+        if self._current_padding:
+            # Zero weight by selection, not by multiplying by zero: an inf loss on a padding
+            # micro-batch would otherwise become NaN (inf * 0) and poison the window.
+            off = torch.zeros((), dtype=torch.bool, device=loss.device)
+            return torch.where(off, loss, torch.zeros_like(loss))
+        c = self.loss_scale if form == "count" else 1.0
+        return loss * c if c != 1.0 else loss
+
+    def _record(self, loss: torch.Tensor, count: float | torch.Tensor, form: str) -> None:
+        self._form = form
+        self._backwards += 1
+        self._current_backwards += 1
+        self._final_backward = self._final_backward or self._current_final
+        if self._current_padding:
+            return
+        dtype = accumulation_dtype(loss.device)
+        value = loss.detach().to(dtype)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        if isinstance(count, torch.Tensor):
+            c = count.to(dtype)
+            bad = (~torch.isfinite(c) | (c < 0)).to(dtype)
+            self._count_t = c if self._count_t is None else self._count_t + c
+            self._count_bad = bad if self._count_bad is None else self._count_bad + bad
+        else:
+            self._count_py += count
+
+    # -- the end of the window -------------------------------------------------------------
+
+    def step(self) -> StepStats:
+        """Normalize the accumulated gradient and take one optimizer step (or skip it).
+
+        Order: all-reduce of loss sum, count and flags → GradScaler unscale → normalize →
+        clip (the reported norm is before clipping) → optimizer step (skipped on zero items or
+        non-finite loss/gradient) → scaler update → scheduler step → ``zero_grad``.
+
+        Raises:
+            RuntimeError: called twice, before every micro-batch was yielded, with no
+                backward, or without a backward on the final micro-batch.
+            ValueError: a count given as a device tensor was negative or non-finite (the
+                window is discarded first, so nothing is lost).
+        """
+        self._check_open("step()")
+        self._acc._sync.end()
+        if not self._exhausted and self._feed.remaining() > 0:
+            raise RuntimeError(
+                f"step() before every micro-batch of window {self.index} was yielded "
+                f"({self._yielded} of {len(self)}; an early `break`?). Finish the loop, or "
+                "call window.discard() to abandon the window."
+            )
+        if self._backwards == 0:
+            raise RuntimeError(
+                f"step() on window {self.index} with no backward call: call "
+                "window.backward(loss_sum, count) for each micro-batch, or window.discard()."
+            )
+        if not self._final_backward:
+            raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
+        self._closed = True
+        return self._acc._step(self)
+
+    def discard(self) -> None:
+        """Abandon the window: clear gradients and restore sync flags. No step is taken.
+
+        Under DDP/FSDP2 it is collective: every rank discards the same window.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._acc._discard(self)

@@ -1,0 +1,103 @@
+"""Turning a loader into windows: which micro-batches a window holds, padding, the tail.
+
+The loader is consumed lazily. A window normally holds one micro-batch of lookahead (enough
+to know which micro-batch is the last, the one whose backward synchronizes); it reads the rest
+of the window ahead only when something needs it: ``len(window)``, ``partial_window="drop"``,
+``counts=`` and FSDP2's equal micro-batch counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Feed", "Stream"]
+
+
+class Stream:
+    """The loader's iterator, shared by consecutive windows; remembers that it ended."""
+
+    def __init__(self, loader: Any) -> None:
+        self._it: Iterator[Any] = iter(loader)
+        self.ended = False
+        self.last: Any = None  # the most recent real item: a padding micro-batch if needed
+
+    def next(self) -> tuple[bool, Any]:
+        if self.ended:
+            return False, None
+        try:
+            item = next(self._it)
+        except StopIteration:
+            self.ended = True
+            return False, None
+        self.last = item
+        return True, item
+
+
+class Feed:
+    """The micro-batches of one window: those read ahead, and those still in the loader.
+
+    ``pop()`` returns ``(micro, final, padding)`` and keeps one micro-batch of lookahead so
+    that ``final`` is known when a micro-batch is handed out.
+    """
+
+    def __init__(self, items: list[Any], stream: Stream | None = None, budget: int = 0) -> None:
+        self._items: deque[Any] = deque(items)
+        self._stream = stream
+        self._budget = budget  # how many more micro-batches this window may take from stream
+        self._short = False  # the loader ended before the window had all its micro-batches
+        self._padding: deque[Any] = deque()
+
+    def _pull(self) -> bool:
+        if self._stream is None or self._budget == 0:
+            return False
+        ok, item = self._stream.next()
+        if ok:
+            self._items.append(item)
+            self._budget -= 1
+        else:
+            self._budget = 0
+            self._short = True
+        return ok
+
+    def lookahead(self) -> None:
+        """Read the window's first micro-batch, if it has none read yet."""
+        if not self._items:
+            self._pull()
+
+    def fill(self) -> None:
+        """Read the rest of the window ahead."""
+        while self._pull():
+            pass
+
+    @property
+    def real(self) -> list[Any]:
+        """The real micro-batches read ahead and not yet handed out."""
+        return list(self._items)
+
+    def remaining(self) -> int:
+        self.fill()
+        return len(self._items) + len(self._padding)
+
+    @property
+    def full(self) -> bool:
+        """No micro-batch missing: the loader did not end inside this window."""
+        self.fill()
+        return not self._short
+
+    def add_padding(self, count: int, make: Callable[[], Any]) -> None:
+        for _ in range(count):
+            self._padding.append(make())
+
+    def pop(self) -> tuple[Any, bool, bool] | None:
+        if not self._items:
+            self._pull()
+        if self._items:
+            micro = self._items.popleft()
+            if not self._items:
+                self._pull()  # the lookahead: is another micro-batch coming?
+            return micro, not self._items and not self._padding, False
+        if self._padding:
+            return self._padding.popleft(), not self._padding, True
+        return None
