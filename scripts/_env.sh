@@ -1,0 +1,13 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: make (or reuse) the virtual environment and
+# install fullbatch into it. torch==2.13.0 goes first and explicitly: a bare `torch`
+# requirement would pull a multi-GB CUDA build on a machine that has no torch yet.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${FULLBATCH_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "fullbatch: creating $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[$1]"
