@@ -174,4 +174,4 @@ class VerifyReport:
             if items:
                 lines.append(f"{title}:")
                 lines += [f"  - {item}" for item in items]
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)

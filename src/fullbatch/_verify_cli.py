@@ -1,0 +1,136 @@
+"""``fullbatch verify``: prove on your own model that fullbatch equals the full batch.
+
+Exit codes: 0 equivalent, 1 above tolerance (or not accumulable exactly), 2 bad input (one line
+on stderr naming the problem and the fix, no traceback).
+
+Examples::
+
+    fullbatch verify --model ./my-checkpoint --data train.jsonl --micro-batch-size 2
+    fullbatch verify --model mymodels:make_model --data prompts.txt --micro-batch-size 4 \\
+        --batch-size 16 --dtype float64
+
+Heavy imports (torch, transformers) happen inside :func:`run`, so ``fullbatch --help`` stays
+fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = ("float32", "float64")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``verify``'s options to its subcommand parser.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_arguments(parser)
+    >>> args = parser.parse_args(["--model", "m:f", "--data", "d.txt", "--micro-batch-size", "2"])
+    >>> args.micro_batch_size, args.dtype
+    (2, None)
+    """
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH|MODULE:FACTORY",
+        help="a local Hugging Face causal-LM checkpoint directory (loaded offline), or "
+        "module:factory / file.py:factory: a callable returning a model or (model, loss_fn) "
+        "with loss_fn(model, micro) -> (loss_sum, count)",
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help='.jsonl: one list of token ids or {"input_ids": [...]} per line; other files: '
+        "plain text, one example per line (checkpoint tokenizer, else byte-level)",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        required=True,
+        type=_positive_int,
+        metavar="M",
+        help="rows per micro-batch",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        metavar="B",
+        help="use the first B examples as the batch (default: all of them)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="cast the model to this dtype (default: float32 for a checkpoint, the factory's "
+        "dtype otherwise); float64 gives the tightest check (tolerance 1e-10)",
+    )
+    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+
+
+def _fail(message: str) -> int:
+    print(f"fullbatch verify: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _batch(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
+    from fullbatch._verify_data import collate, read_examples
+    from fullbatch._verify_load import InputError
+
+    examples = read_examples(args.data, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size)
+    if args.batch_size is not None:
+        if len(examples) < args.batch_size:
+            raise InputError(
+                f"--batch-size {args.batch_size}: {args.data} has only {len(examples)} "
+                "examples; lower --batch-size or add examples"
+            )
+        examples = examples[: args.batch_size]
+    if len(examples) < 2:
+        raise InputError(
+            f"--data {args.data}: {len(examples)} example(s); verify needs at least 2 rows to "
+            "split into micro-batches and to check additivity"
+        )
+    if all(len(e.input_ids) < 2 for e in examples):
+        raise InputError(
+            f"--data {args.data}: every example has a single token, so there is no next token "
+            "to predict; give examples of 2 tokens or more"
+        )
+    return {k: v.to(args.device) for k, v in collate(examples, loaded.pad_id).items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and data, run :func:`fullbatch.verify`, print the report.
+
+    Returns 0 when equivalent, 1 when not, 2 on bad input.
+    """
+    import torch
+
+    from fullbatch._verify import verify
+    from fullbatch._verify_data import require_file
+    from fullbatch._verify_load import InputError, causal_lm_loss_fn, load_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        require_file(args.data)  # before the model load: a typo should fail fast
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
+        batch = _batch(args, loaded)
+        loss_fn = loaded.loss_fn or causal_lm_loss_fn
+        report = verify(loaded.model, batch, loss_fn, micro_batch_size=args.micro_batch_size)
+    except InputError as error:
+        return _fail(str(error))
+    print(report)
+    return 0 if report.passed else 1

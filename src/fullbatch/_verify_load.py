@@ -1,0 +1,226 @@
+"""Model loading for ``fullbatch verify``: a local Hugging Face checkpoint or ``module:factory``.
+
+Every problem with the user's input becomes an :class:`InputError` whose message is one line
+naming the problem and the fix; the CLI prints it without a traceback and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._losses import causal_lm_loss
+
+__all__ = ["InputError", "LoadedModel", "causal_lm_loss_fn", "load_model"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class InputError(Exception):
+    """Bad input to ``fullbatch verify``: the message is one line with the fix."""
+
+
+@dataclass
+class LoadedModel:
+    """What ``--model`` resolved to."""
+
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, Any]] | None
+    tokenizer: Any | None
+    vocab_size: int | None
+    pad_id: int
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
+    if not (path / "config.json").is_file():
+        raise InputError(
+            f"--model {path}: no config.json in this directory; pass a Hugging Face checkpoint "
+            "saved with model.save_pretrained(path), or module:factory"
+        )
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as error:
+        raise InputError(
+            "--model: loading a checkpoint needs transformers: pip install 'fullbatch[hf]'"
+        ) from error
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except Exception as error:
+        raise InputError(
+            f"--model {path}: cannot load it with AutoModelForCausalLM ({_one_line(error)}); "
+            "pass a causal LM checkpoint, or module:factory for other models"
+        ) from error
+    tokenizer = None
+    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as error:
+            raise InputError(
+                f"--model {path}: cannot load its tokenizer ({_one_line(error)}); fix or remove "
+                "the tokenizer files, or pass token ids as jsonl"
+            ) from error
+    return model, tokenizer
+
+
+def _import_factory(spec: str) -> Callable[[], Any]:
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise InputError(f"--model {spec}: expected module:factory, e.g. mymodels:make_model")
+    try:
+        if module_name.endswith(".py"):
+            file = Path(module_name)
+            if not file.is_file():
+                raise InputError(f"--model {spec}: no such file {file}; check the path")
+            name = f"_fullbatch_verify_{file.stem}"
+            module_spec = importlib.util.spec_from_file_location(name, file)
+            if module_spec is None or module_spec.loader is None:
+                raise InputError(f"--model {spec}: {file} is not a Python module")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module  # dataclasses and pickling look modules up here
+            module_spec.loader.exec_module(module)
+        else:
+            cwd_added = os.getcwd() not in sys.path
+            if cwd_added:  # like `python -m`: modules in the current directory are found
+                sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                if cwd_added:
+                    sys.path.remove(os.getcwd())
+    except InputError:
+        raise
+    except Exception as error:
+        raise InputError(
+            f"--model {spec}: cannot import {module_name} ({_one_line(error)}); put it on "
+            "PYTHONPATH, run from its directory, or pass path/to/file.py:factory"
+        ) from error
+    factory: Any = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise InputError(
+                f"--model {spec}: module {module_name} has no attribute {attr!r}; name a "
+                "function that returns a model or (model, loss_fn)"
+            )
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise InputError(f"--model {spec}: {attr} is a {type(factory).__name__}, not callable")
+    return factory
+
+
+def _from_factory(spec: str) -> tuple[nn.Module, Any]:
+    factory = _import_factory(spec)
+    try:
+        made = factory()
+    except Exception as error:
+        raise InputError(f"--model {spec}: the factory raised {_one_line(error)}") from error
+    model, loss_fn = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            f"--model {spec}: the factory returned {type(made).__name__}; it must return a "
+            "torch.nn.Module or (model, loss_fn)"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(
+            f"--model {spec}: the factory's loss_fn is a {type(loss_fn).__name__}; it must be "
+            "callable as loss_fn(model, micro) -> (loss_sum, count)"
+        )
+    return model, loss_fn
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def load_model(spec: str, *, dtype: torch.dtype | None, device: str) -> LoadedModel:
+    """Resolve ``--model``: a checkpoint directory, or ``module:factory`` (``file.py:factory``).
+
+    The model is put in train mode (verify disables dropout itself) and, when ``dtype`` is
+    given, cast to it; a checkpoint defaults to float32.
+
+    >>> try:
+    ...     load_model("no/such/dir", dtype=None, device="cpu")
+    ... except InputError as error:
+    ...     print(str(error).split(";")[0])
+    --model no/such/dir: no such directory, and not module:factory
+    """
+    path = Path(spec)
+    tokenizer, loss_fn = None, None
+    if path.is_dir():
+        model, tokenizer = _load_checkpoint(path)
+        dtype = dtype or torch.float32
+    elif ":" in spec and not path.exists():
+        model, loss_fn = _from_factory(spec)
+    else:
+        what = "is a file" if path.exists() else "no such directory, and not module:factory"
+        raise InputError(
+            f"--model {spec}: {what}; pass a local Hugging Face checkpoint directory or "
+            "module:factory"
+        )
+    try:
+        model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+    except (RuntimeError, AssertionError) as error:
+        raise InputError(
+            f"--device {device}: cannot move the model ({_one_line(error)})"
+        ) from error
+    model.train()
+    config = getattr(model, "config", None)
+    pad_id = getattr(config, "pad_token_id", None)
+    if pad_id is None and tokenizer is not None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    return LoadedModel(model, loss_fn, tokenizer, _vocab_size(model), int(pad_id or 0))
+
+
+def _logits(output: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    if not isinstance(logits, torch.Tensor) or logits.shape[:2] != input_ids.shape:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+        raise InputError(
+            f"the model returned {type(output).__name__}"
+            + (f" of shape {shape}" if shape else " without logits")
+            + f", expected logits of shape {(*input_ids.shape, 'vocab')}; return logits (or "
+            "an output with .logits), or have the factory return (model, loss_fn)"
+        )
+    return logits
+
+
+def causal_lm_loss_fn(model: nn.Module, micro: Mapping[str, torch.Tensor]) -> Any:
+    """The CLI's default loss: next-token cross-entropy summed over non-padding labels.
+
+    ``micro`` holds right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on
+    padding). Models whose forward has no ``input_ids`` argument get the ids positionally.
+    """
+    input_ids = micro["input_ids"]
+    params = inspect.signature(model.forward).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "input_ids" in params:
+        kwargs = {"input_ids": input_ids}
+        if "attention_mask" in params or takes_kwargs:
+            kwargs["attention_mask"] = micro["attention_mask"]
+        output = model(**kwargs)
+    else:
+        output = model(input_ids)
+    return causal_lm_loss(_logits(output, input_ids), micro["labels"])

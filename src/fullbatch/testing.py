@@ -1,0 +1,52 @@
+"""Assertions for your own test suite: ``fb.testing.assert_equivalent``.
+
+>>> import torch, fullbatch as fb
+>>> model = torch.nn.Linear(3, 2).double()
+>>> batch = {"x": torch.randn(5, 3, dtype=torch.float64), "y": torch.tensor([0, 1, 1, 0, 1])}
+>>> report = fb.testing.assert_equivalent(
+...     model, batch, lambda m, b: fb.cross_entropy_sum(m(b["x"]), b["y"]), micro_batch_size=2
+... )
+>>> report.passed
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._verify import verify
+from fullbatch._verify_arms import LossFn
+from fullbatch._verify_report import VerifyReport
+
+__all__ = ["assert_equivalent"]
+
+
+def assert_equivalent(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    micro_batch_size: int,
+    dtype: torch.dtype | None = None,
+    rtol: float | None = None,
+) -> VerifyReport:
+    """Assert that fullbatch gives the full-batch gradient on ``model`` and ``batch``.
+
+    Runs :func:`fullbatch.verify` with the same arguments and leaves the model as it was.
+
+    Returns:
+        The :class:`~fullbatch.VerifyReport` when it passed (for further checks).
+
+    Raises:
+        AssertionError: with the full report text (errors, additivity, diagnosis) when the
+            gradients differ beyond the tolerance or the loss cannot be accumulated exactly.
+    """
+    report = verify(
+        model, batch, loss_fn, micro_batch_size=micro_batch_size, dtype=dtype, rtol=rtol
+    )
+    if not report.passed:
+        raise AssertionError(f"fullbatch is not equivalent to the full batch:\n{report}")
+    return report
