@@ -73,9 +73,11 @@ class Sync:
         if self.group is None:
             return tensor.unsqueeze(0)
         moved = tensor.to(self.device)
-        out = torch.empty((self.world, *moved.shape), dtype=moved.dtype, device=moved.device)
-        dist.all_gather_into_tensor(out, moved, group=self.group)
-        return out.to(tensor.device)
+        out = torch.empty(self.world * moved.numel(), dtype=moved.dtype, device=moved.device)
+        # all_gather_single is the newer name of all_gather_into_tensor (torch >= 2.10).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, moved.reshape(-1), group=self.group)
+        return out.view(self.world, *moved.shape).to(tensor.device)
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """Bucketed all-reduce (sum) of gradients at the step, for ``ddp_sync="step"``."""

@@ -243,12 +243,12 @@ class Window:
                 f"({self._yielded} of {len(self)}; an early `break`?). Finish the loop, or "
                 "call window.discard() to abandon the window."
             )
-        if self._backwards == 0:
+        if self._backwards == 0 and self._yielded > 0:
             raise RuntimeError(
                 f"step() on window {self.index} with no backward call: call "
                 "window.backward(loss_sum, count) for each micro-batch, or window.discard()."
             )
-        if not self._final_backward:
+        if not self._final_backward and self._yielded > 0:
             raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
         self._closed = True
         return self._acc._step(self)
