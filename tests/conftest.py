@@ -27,6 +27,12 @@ PAD_ID = 0
 Batch = dict[str, torch.Tensor]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The models are tiny: one intra-op thread is fastest, and OpenMP spin-waiting on a busy
+    # 2-core machine made every operation tens of times slower.
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)

@@ -121,7 +121,7 @@ def reference_trajectory(model, windows: list[Batch], make_opt, make_sched=None)
         opt.step()
         if sched is not None:
             sched.step()
-        out.append({"loss": float(loss), "norm": norm, "lr": lr, "params": params(ref)})
+        out.append({"loss": float(loss.detach()), "norm": norm, "lr": lr, "params": params(ref)})
     return out
 
 
@@ -446,7 +446,9 @@ def test_multi_step_adamw_scheduler_clipping_micro_batch_size() -> None:
             norm = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5))
             opt.step()
             sched.step()
-            out.append({"loss": float(loss), "norm": norm, "lr": lr, "params": params(ref_model)})
+            out.append(
+                {"loss": float(loss.detach()), "norm": norm, "lr": lr, "params": params(ref_model)}
+            )
         return out
 
     ref = clipped_ref()
@@ -477,4 +479,6 @@ def test_loss_function_used_by_tests_matches_reference() -> None:
     model = make_lm()
     loss_sum, n = fb_loss(model, batch)
     assert int(n) == counted(batch)
-    assert_close_rel(float(loss_sum / n), float(ref_mean_loss(model, batch)), 1e-13)
+    assert_close_rel(
+        float(loss_sum.detach() / n), float(ref_mean_loss(model, batch).detach()), 1e-13
+    )
