@@ -135,3 +135,204 @@ def reference_for(spec: dict[str, Any]) -> list[torch.Tensor]:
 
 def world_size() -> int:
     return dist.get_world_size()
+
+
+# -- scenarios beyond plain training ------------------------------------------------------------
+
+
+def two_backwards(rank: int, world: int, ddp_sync: str) -> list[torch.Tensor]:
+    """Two loss terms with different denominators, one backward each, per micro-batch."""
+    layout = [[3, 2, 4], [1, 5]]
+    model = wrap(make_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+
+    def n_rows(m: dict[str, torch.Tensor]) -> int:
+        return m["x"].shape[0]
+
+    counts = {"tokens": lambda m: int((m["y"] != -100).sum()), "rows": n_rows}
+    snaps = []
+    with fb.Accumulator(model, opt, micro_batches=2, counts=counts, ddp_sync=ddp_sync) as acc:
+        for window in acc.windows(rank_data(rank, layout)):
+            totals = window.totals
+            for micro in window:
+                out = model(micro["x"])
+                ce, _ = fb.cross_entropy_sum(out, micro["y"])
+                window.backward(ce / totals["tokens"], retain_graph=True)
+                window.backward(out.square().sum() / totals["rows"])
+            window.step()
+            snaps.append(_full_params(model))
+    return snaps
+
+
+def two_backwards_reference() -> list[torch.Tensor]:
+    layout = [[3, 2, 4], [1, 5]]
+    windows = reference_windows(layout, 2)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    for window in windows:
+        x = torch.cat([m["x"] for m in window])
+        y = torch.cat([m["y"] for m in window])
+        out = model(x)
+        ce = nn.functional.cross_entropy(out, y, reduction="sum") / (y != -100).sum()
+        loss = ce + out.square().sum() / x.shape[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        snaps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return snaps
+
+
+class Gated(nn.Module):
+    """Conditional compute: the second head runs only for micro-batches whose first x > 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(IN, HIDDEN).double()
+        self.head = nn.Linear(HIDDEN, OUT).double()
+        self.extra = nn.Linear(HIDDEN, OUT).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        out = self.head(h)
+        if float(x[0, 0]) > 0:
+            out = out + self.extra(h)
+        return out
+
+
+def conditional(rank: int, world: int, find_unused: bool) -> list[torch.Tensor]:
+    layout = [[2, 3, 2, 1], [3, 1, 2, 2]]
+    model = nn.parallel.DistributedDataParallel(Gated(), find_unused_parameters=find_unused)
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    with fb.Accumulator(model, opt, micro_batches=2) as acc:
+        for window in acc.windows(rank_data(rank, layout, seed=3)):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            window.step()
+            snaps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return snaps
+
+
+def conditional_reference() -> list[torch.Tensor]:
+    layout = [[2, 3, 2, 1], [3, 1, 2, 2]]
+    model = Gated()
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    for window in reference_windows(layout, 2, seed=3):
+        opt.zero_grad()
+        total = sum(int((m["y"] != -100).sum()) for m in window)
+        for m in window:  # per micro-batch forward: the gate depends on the micro-batch
+            out = model(m["x"])
+            loss = nn.functional.cross_entropy(out, m["y"], reduction="sum") / total
+            loss.backward()
+        opt.step()
+        snaps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return snaps
+
+
+def static_graph(rank: int, world: int) -> list[torch.Tensor]:
+    layout = [[3, 1, 4, 2, 5], [2, 6, 1]]
+    model = nn.parallel.DistributedDataParallel(make_model(), static_graph=True)
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    with fb.Accumulator(model, opt, micro_batches=2) as acc:
+        for window in acc.windows(rank_data(rank, layout)):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            window.step()
+            snaps.append(_full_params(model))
+    return snaps
+
+
+def subgroups(rank: int, world: int, mode: str) -> list[torch.Tensor]:
+    """4 ranks, data-parallel groups {0, 1} and {2, 3}; each group trains on its own data."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    member = rank % 2
+    layout = [[3, 1, 4, 2], [2, 5, 1]]
+    model = nn.parallel.DistributedDataParallel(make_model(), process_group=group)
+    options: dict[str, Any] = {}
+    if mode == "conflict":
+        options["process_group"] = dist.group.WORLD
+    if mode == "sum-hook":
+        def summing(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
+            fut = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        model.register_comm_hook(group, summing)
+        options["grad_divisor"] = 1
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    seed = 10 + rank // 2  # each group has its own data
+    with fb.Accumulator(model, opt, micro_batches=2, **options) as acc:
+        for window in acc.windows(rank_data(member, layout, seed=seed)):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            window.step()
+            snaps.append(_full_params(model))
+    return snaps
+
+
+def subgroup_reference(group_index: int) -> list[torch.Tensor]:
+    layout = [[3, 1, 4, 2], [2, 5, 1]]
+    return reference_run(reference_windows(layout, 2, seed=10 + group_index))
+
+
+def nonfinite(rank: int, world: int) -> list[Any]:
+    """Rank 1's second micro-batch of window 0 has an inf input: window 0 skips everywhere."""
+    layout = [[2, 3, 2, 2], [3, 2, 1, 2]]
+    model = wrap(make_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    data = rank_data(rank, layout)
+    if rank == 1:
+        data[1]["x"][0, 0] = float("inf")
+    out = []
+    with fb.Accumulator(model, opt, micro_batches=2) as acc:
+        for window in acc.windows(data):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            s = window.step()
+            out.append((s.skipped, s.reason, s.steps, _full_params(model)))
+    return out
+
+
+def skip_final_backward(rank: int, world: int) -> None:
+    """The user's loop skips backward on a micro-batch with no items: rank 1's final one."""
+    layout = [[2, 3], [2, 2]]
+    model = wrap(make_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    data = rank_data(rank, layout)
+    if rank == 1:
+        data[1]["y"][:] = -100
+    with fb.Accumulator(model, opt, micro_batches=2) as acc:
+        for window in acc.windows(data):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                if n == 0:
+                    continue
+                window.backward(loss_sum, n)
+            window.step()
+
+
+class UserError(Exception):
+    pass
+
+
+def raise_in_micro_batch(rank: int, world: int) -> None:
+    layout = [[2, 3, 2, 2], [3, 2, 1, 2]]
+    model = wrap(make_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    with fb.Accumulator(model, opt, micro_batches=4) as acc:
+        for window in acc.windows(rank_data(rank, layout)):
+            for i, micro in enumerate(window):
+                if rank == 1 and i == 2:
+                    raise UserError("boom in micro-batch 2")
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            window.step()

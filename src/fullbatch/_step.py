@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["discard_window", "step_window"]
 
 # Slots of the one small all-reduce at the step.
-_LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED = range(5)
+_LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = range(7)
 
 
 def _reduce_stats(
@@ -31,7 +31,7 @@ def _reduce_stats(
     """Sum the window's numbers over ranks: one collective, one host synchronization."""
     device = acc._stat_device
     dtype = accumulation_dtype(device)
-    parts = [torch.zeros((), dtype=dtype, device=device) for _ in range(5)]
+    parts = [torch.zeros((), dtype=dtype, device=device) for _ in range(7)]
     if window is None:
         parts[_DISCARDED] += 1
     else:
@@ -43,6 +43,9 @@ def _reduce_stats(
             parts[_BAD_COUNT] = parts[_BAD_COUNT] + window._count_bad.to(device, dtype)
         if acc._sync.sharded:
             parts[_SHARD_SQ] = squared_norm(grads, device)
+        # The form is agreed over ranks: a rank without micro-batches made no call at all.
+        form_slot = _SHARE_CALLS if window._form == "share" else _COUNT_CALLS
+        parts[form_slot] += window._backwards
     if acc._sync.group is None:
         return torch.stack(parts).tolist()
     return acc._sync.all_reduce_sum(torch.stack(parts)).tolist()
@@ -58,7 +61,7 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
     if sync.reduce_at_step:
         sync.reduce_gradients(acc._params)
     grads = [p.grad for p in acc._params if p.grad is not None]
-    loss_total, count, bad, shard_sq, discarded = _reduce_stats(acc, window, grads)
+    loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(acc, window, grads)
     if discarded:
         acc._clear_grads()
         raise RuntimeError(
@@ -72,7 +75,13 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
-    share = window._form == "share"
+    if shares and counted:
+        acc._clear_grads()
+        raise ValueError(
+            f"in window {window.index} some ranks called backward(loss, count) and others "
+            "backward(share); use one form on every rank."
+        )
+    share = shares > 0
     scaler = acc._scaler
     loss_scale = 1.0 if share else window.loss_scale
     grad_scale = 1.0
@@ -113,6 +122,7 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
     if reason is None and acc._scheduler is not None:
         acc._scheduler.step()
     acc._clear_grads()
+    sync.finish_window()
     if acc._batchnorm is not None:
         acc._batchnorm.finish(apply=reason is None)
     if not share and count > 0:
@@ -134,6 +144,7 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
 def discard_window(acc: Accumulator, window: Window) -> None:
     acc._sync.end()
     acc._clear_grads()
+    acc._sync.finish_window()
     if acc._batchnorm is not None:
         acc._batchnorm.finish(apply=False)
     if acc._sync.group is not None:

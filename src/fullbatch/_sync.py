@@ -82,6 +82,13 @@ class Sync:
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """Bucketed all-reduce (sum) of gradients at the step, for ``ddp_sync="step"``."""
 
+    def finish_window(self) -> None:
+        """The window was stepped or discarded."""
+
+    def single_backward(self, final: bool) -> bool:
+        """Whether this micro-batch allows only one backward (DDP reduces in the first)."""
+        return False
+
 
 class _DDPSync(Sync):
     kind = "ddp"
@@ -93,14 +100,29 @@ class _DDPSync(Sync):
         self.reduce_at_step = mode == "step"
         # DDP averages over its group; summing ourselves at the step divides by nothing.
         self.divisor = 1.0 if self.reduce_at_step else float(divisor or self.world)
+        # static_graph=True records the graph in DDP's first synced iteration and breaks when
+        # that iteration runs under no_sync (pytorch#143580): the first window syncs every
+        # micro-batch (still exact: the average is linear), so ranks run equally many.
         self.static_graph = bool(getattr(model, "static_graph", False))
+        self._first_window = True
         self._saved: bool | None = None
+
+    @property
+    def equal_micro_batches(self) -> bool:  # type: ignore[override]
+        return self.static_graph and self._first_window and not self.reduce_at_step
 
     def begin(self, final: bool) -> None:
         if self._saved is None:
             self._saved = self.model.require_backward_grad_sync
         # DDP decides at forward time whether the coming backward reduces: set it before.
-        self.model.require_backward_grad_sync = final and not self.reduce_at_step
+        sync = final or self.equal_micro_batches
+        self.model.require_backward_grad_sync = sync and not self.reduce_at_step
+
+    def finish_window(self) -> None:
+        self._first_window = False
+
+    def single_backward(self, final: bool) -> bool:
+        return (final or self.equal_micro_batches) and not self.reduce_at_step
 
     def end(self) -> None:
         if self._saved is not None:

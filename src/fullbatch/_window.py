@@ -173,12 +173,7 @@ class Window:
                 "detached tensors, so backward would change nothing."
             )
         sync = self._acc._sync
-        if (
-            self._current_final
-            and self._current_backwards > 0
-            and sync.kind == "ddp"
-            and not sync.reduce_at_step
-        ):
+        if self._current_backwards > 0 and sync.single_backward(self._current_final):
             raise RuntimeError(
                 "a second backward on the micro-batch where DDP synchronizes: DDP reduces "
                 "only the first backward after a synced forward (pytorch#47260). Sum the loss "
