@@ -114,13 +114,26 @@ def _take_grads(params: list[tuple[str, nn.Parameter]]) -> Grads:
 
 
 def full_batch_arm(
-    model: nn.Module, params: list[tuple[str, nn.Parameter]], batch: Any, loss_fn: LossFn
+    model: nn.Module,
+    params: list[tuple[str, nn.Parameter]],
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    normalize_after: bool = False,
 ) -> ArmResult:
-    """The reference: ``loss_sum / count`` on the whole batch, one backward."""
+    """The reference: ``loss_sum / count`` on the whole batch, one backward.
+
+    With ``normalize_after`` the backward runs on ``loss_sum`` and the gradient is divided by
+    ``count`` afterwards, in float64: the same math, so the difference to the reference is the
+    model's own rounding band (large when a float64 model computes partly in float32).
+    """
     loss, count = call_loss(loss_fn, model, batch)
     mean = loss / count if count else loss * math.nan
-    mean.backward()
-    return ArmResult(_take_grads(params), float(mean.detach()), count)
+    (loss if normalize_after else mean).backward()
+    grads = _take_grads(params)
+    if normalize_after:
+        grads = {n: None if g is None else g.double() / count for n, g in grads.items()}
+    return ArmResult(grads, float(mean.detach()), count)
 
 
 def naive_arm(

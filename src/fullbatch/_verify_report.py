@@ -113,6 +113,10 @@ class VerifyReport:
             number of micro-batches), for contrast.
         additivity: the :class:`AdditivityCheck` (``None`` for a one-row batch).
         nondeterminism: grad error between two identical full-batch evaluations.
+        rounding_band: grad error of the full batch itself when the loss is normalized after
+            backward instead of before: the model's own rounding, the scale below which
+            differences mean nothing (a float64 model that upcasts to float32 inside shows
+            about 1e-7 here, and is then held to float32's tolerance).
         tolerance: relative tolerance applied (by dtype: float64 1e-10, float32 1e-5).
         dtype: the dtype the comparison ran in.
         rows, micro_batch_size, micro_batches: the batch and how it was split.
@@ -126,6 +130,7 @@ class VerifyReport:
     naive: GradientComparison
     additivity: AdditivityCheck | None
     nondeterminism: float
+    rounding_band: float
     tolerance: float
     dtype: str
     rows: int
@@ -144,15 +149,16 @@ class VerifyReport:
             f"{self.micro_batch_size} rows; {self.count:g} counted items",
             f"full batch (reference): loss {_num(self.loss)}, grad norm {_num(self.grad_norm)}",
             "",
-            f"  {'recipe':<18}{'grad error':<12}{'worst tensor':<28}"
-            f"{'global':<10}{'loss':<10}{'grad norm':<10}",
         ]
-        for arm in (self.fullbatch, self.naive):
-            worst = arm.worst_tensor or "-"
-            if len(worst) > 26:
-                worst = "…" + worst[-25:]
+        arms = (self.fullbatch, self.naive)
+        width = max(len("worst tensor"), *(len(a.worst_tensor or "-") for a in arms)) + 2
+        lines.append(
+            f"  {'recipe':<18}{'grad error':<12}{'worst tensor':<{width}}"
+            f"{'global':<10}{'loss':<10}{'grad norm':<10}"
+        )
+        for arm in arms:
             lines.append(
-                f"  {arm.recipe:<18}{_fmt(arm.max_rel_error):<12}{worst:<28}"
+                f"  {arm.recipe:<18}{_fmt(arm.max_rel_error):<12}{arm.worst_tensor or '-':<{width}}"
                 f"{_fmt(arm.global_rel_error):<10}{_fmt(arm.loss_rel_error):<10}"
                 f"{_fmt(arm.grad_norm_rel_error):<10}"
             )
@@ -170,6 +176,10 @@ class VerifyReport:
                 f"randomness: two identical full-batch evaluations differ by "
                 f"{_fmt(self.nondeterminism)} (grad error)"
             )
+        lines.append(
+            f"rounding band: normalizing after backward moves the full-batch gradient by "
+            f"{_fmt(self.rounding_band)}"
+        )
         for title, items in (("notes", self.notes), ("diagnosis", self.diagnosis)):
             if items:
                 lines.append(f"{title}:")
