@@ -7,6 +7,7 @@ full-batch reference on the union of every rank's data and compares.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -259,6 +260,7 @@ def subgroups(rank: int, world: int, mode: str) -> list[torch.Tensor]:
     if mode == "conflict":
         options["process_group"] = dist.group.WORLD
     if mode == "sum-hook":
+
         def summing(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
             fut = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0])
@@ -336,3 +338,80 @@ def raise_in_micro_batch(rank: int, world: int) -> None:
                 loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
                 window.backward(loss_sum, n)
             window.step()
+
+
+def count_collectives(rank: int, world: int, wrapper: str, loop: str) -> dict[str, int]:
+    """Count gradient reductions and tiny collectives over 3 windows of K=3 micro-batches.
+
+    DDP's gradient all-reduces are counted by a comm hook (one call per bucket); FSDP2's
+    reduce-scatters and the tiny collectives by wrapping the torch.distributed functions.
+    """
+    layout = [[2, 3, 1, 2, 2, 3, 1, 1, 2], [3, 1, 2, 2, 1, 2, 3, 2, 1]]
+    k = 3
+    model = make_model()
+    calls = {"grad": 0, "tiny": 0}
+
+    def counted(real: Any, key: str, ours_only: bool) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # "tiny" counts only what fullbatch itself issues (FSDP2 all-gathers too).
+            if not ours_only or sys._getframe(1).f_globals["__name__"] == "fullbatch._sync":
+                calls[key] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    if wrapper == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+
+        def counting(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
+            calls["grad"] += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting)
+        # DDP rebuilds its buckets after the first iteration: warm up once, uncounted.
+        model(micro_batch(rank, 500, 2)["x"]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        model(micro_batch(rank, 501, 2)["x"]).sum().backward()
+        model.zero_grad(set_to_none=True)
+        calls["grad"] = 0
+    else:
+        model = wrap(model, "fsdp")
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            if hasattr(dist, name):
+                setattr(dist, name, counted(getattr(dist, name), "grad", False))
+    for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name), "tiny", True))
+    opt = make_optimizer(model.parameters())
+    data = rank_data(rank, layout)
+    if loop == "naive":  # syncs every micro-batch: the loop fullbatch replaces
+        for w in range(len(data) // k):
+            for micro in data[w * k : (w + 1) * k]:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                (loss_sum / max(int(n), 1) / k).backward()
+            opt.step()
+            opt.zero_grad()
+        windows = len(data) // k
+    else:
+        options = {"fsdp_sync": "micro_batch"} if loop == "micro_batch" else {}
+        windows = 0
+        with fb.Accumulator(model, opt, micro_batches=k, **options) as acc:
+            for window in acc.windows(data):
+                for micro in window:
+                    loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                    window.backward(loss_sum, n)
+                window.step()
+                windows += 1
+    grad_before = calls["grad"]
+    # One plain synced backward measures the bucket / FSDP-group count.
+    out = model(data[0]["x"]).sum()
+    out.backward()
+    return {
+        **calls,
+        "grad": grad_before,
+        "per_backward": calls["grad"] - grad_before,
+        "windows": windows,
+        "k": k,
+    }
