@@ -313,8 +313,11 @@ class Snapshot:
         )
 
     def assert_same(self, model: nn.Module, optimizer: Any, scheduler: Any = None) -> None:
-        now = Snapshot.take(model, optimizer, scheduler)
-        for i, (a, b) in enumerate(zip(self.params, now.params, strict=True)):
+        """Parameters, optimizer state and scheduler state are bit-for-bit as in the snapshot."""
+        Snapshot.take(model, optimizer, scheduler).assert_equal(self)
+
+    def assert_equal(self, other: Snapshot) -> None:
+        for i, (a, b) in enumerate(zip(other.params, self.params, strict=True)):
             assert torch.equal(a, b), f"parameter {i} changed"
-        assert _equal_tree(self.optimizer, now.optimizer), "optimizer state changed"
-        assert _equal_tree(self.scheduler, now.scheduler), "scheduler state changed"
+        assert _equal_tree(other.optimizer, self.optimizer), "optimizer state changed"
+        assert _equal_tree(other.scheduler, self.scheduler), "scheduler state changed"

@@ -211,6 +211,34 @@ def test_unsized_stream_of_windows_with_micro_batch_size() -> None:
     assert [s.micro_batches for s in stats] == [3, 3, 3, 1]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: Accumulator._start_window evaluates feed.full (Feed.fill) for every window, so "
+    "the whole window is read ahead, not one micro-batch (DESIGN: 'one micro-batch of "
+    "lookahead, not the whole window'; _windows.py docstring).",
+)
+def test_reads_only_one_micro_batch_ahead() -> None:
+    """Without counts=, drop or len(), a window holds one micro-batch of lookahead."""
+    pulled: list[int] = []
+    seen: list[int] = []
+
+    def stream():
+        for i in range(8):
+            pulled.append(i)
+            yield class_batch(2, seed=i)
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.Accumulator(model, opt, micro_batches=4) as acc:
+        for window in acc.windows(stream()):
+            for micro in window:
+                seen.append(len(pulled))
+                window.backward(*fb_loss(model, micro))
+            window.step()
+    # when micro-batch j of a window is handed out, at most j + 2 items have been read
+    assert seen == [1 + min(j + 1, 3) + 4 * w for w in range(2) for j in range(4)], seen
+
+
 def test_dataloader_of_micro_batches() -> None:
     batch = class_batch(10, seed=4, ignore=(2, 7))
     dataset = torch.utils.data.TensorDataset(batch["x"], batch["y"])
