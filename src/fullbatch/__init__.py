@@ -5,9 +5,12 @@
 ['Accumulator', 'StepStats', 'Window']
 """
 
+from fullbatch import testing
 from fullbatch._accumulator import Accumulator
 from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
 from fullbatch._stats import StepStats
+from fullbatch._verify import verify
+from fullbatch._verify_report import VerifyReport
 from fullbatch._window import Window
 
 __version__ = "0.1.0"
@@ -15,9 +18,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Accumulator",
     "StepStats",
+    "VerifyReport",
     "Window",
     "__version__",
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "testing",
+    "verify",
 ]
