@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -287,13 +288,15 @@ def test_batch_size_larger_than_data(capsys, on_path: str, jsonl: Path) -> None:
 
 def test_console_entry_exit_code_and_stderr(tmp_path: Path) -> None:
     # the real process: exit status 2 and a single stderr line, no traceback
+    command = [sys.executable, "-m", "fullbatch", "verify", "--model", "m:f"]
+    command += ["--data", "missing.txt", "--micro-batch-size", "2"]
+    src = str(Path(__file__).parents[1] / "src")
     result = subprocess.run(
-        [sys.executable, "-m", "fullbatch", "verify", "--model", "m:f", "--data", "missing.txt"]
-        + ["--micro-batch-size", "2"],
+        command,
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**_env(), "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        env={**os.environ, "PYTHONPATH": src},
         timeout=120,
     )
     assert result.returncode == 2
@@ -302,9 +305,3 @@ def test_console_entry_exit_code_and_stderr(tmp_path: Path) -> None:
         "fullbatch verify: error: --data missing.txt: no such file; pass a .jsonl file of token "
         "ids or a text file with one example per line"
     ]
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

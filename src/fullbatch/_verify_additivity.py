@@ -121,7 +121,7 @@ def check_additivity(
     >>> good = lambda m, b: fb.cross_entropy_sum(m(b["x"]), b["y"])
     >>> check_additivity(model, batch, good, 1e-5).holds
     True
-    >>> mean = lambda m, b: torch.nn.functional.cross_entropy(m(b["x"]), b["y"]), len(b["y"])
+    >>> mean = lambda m, b: (torch.nn.functional.cross_entropy(m(b["x"]), b["y"]), len(b["y"]))
     >>> check_additivity(model, batch, mean, 1e-5).causes[0].split(":")[0]
     'mean-reduced loss'
     """

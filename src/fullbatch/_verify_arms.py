@@ -227,8 +227,10 @@ def compare(reference: Grads, got: Grads) -> tuple[float, str | None, float]:
     """``(worst tensor's max|Δ|/max|ref|, its name, ‖Δ‖/‖ref‖)`` computed in float64.
 
     >>> ref = {"w": torch.tensor([2.0, 0.0]), "b": torch.tensor([0.0])}
-    >>> compare(ref, {"w": torch.tensor([2.0, 0.2]), "b": torch.tensor([0.1])})
-    (0.1, 'w', 0.1118033988749895)
+    >>> got = {"w": torch.tensor([2.0, 0.5]), "b": torch.tensor([0.5])}
+    >>> worst, name, overall = compare(ref, got)
+    >>> worst, name, round(overall, 4)
+    (0.25, 'w', 0.3536)
     """
     scale = max((float(r.abs().max()) for r in reference.values() if r is not None), default=0.0)
     worst, worst_name, diff_sq, ref_sq = 0.0, None, 0.0, 0.0
