@@ -316,3 +316,43 @@ def test_any_split_of_any_ragged_batch_passes(lengths: list[int], micro_batch_si
         micro_batch_size=micro_batch_size,
     )
     assert report.passed, report
+
+
+def test_public_names() -> None:
+    assert fb.verify is verify
+    assert fb.testing.assert_equivalent is assert_equivalent
+    assert isinstance(
+        fb.verify(_mlp(), _classification(), _sum_loss, micro_batch_size=3), fb.VerifyReport
+    )
+
+
+def test_a_wrong_fullbatch_gradient_is_called_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fullbatch import _verify_arms
+
+    record = _verify_arms._GradRecorder.step
+
+    def off_by_a_little(self, closure=None):
+        record(self)
+        self.recorded = [None if g is None else g * 1.001 for g in self.recorded]
+
+    monkeypatch.setattr(_verify_arms._GradRecorder, "step", off_by_a_little)
+    report = verify(_mlp(), _classification(), _sum_loss, micro_batch_size=3)
+    assert not report.passed
+    assert len(report.diagnosis) == 1
+    assert "this is a fullbatch bug" in report.diagnosis[0]
+
+
+def test_float64_model_with_float32_internals_gets_float32_tolerance() -> None:
+    # Llama's RMSNorm upcasts to float32 even in a float64 model: 1e-10 is out of reach, and
+    # the rounding band (normalizing after backward instead of before) shows it.
+    model = _tiny_llama().double()
+    report = verify(model, _padded_tokens(), _lm_loss, micro_batch_size=2)
+    assert report.passed, report
+    assert report.dtype == "float64" and report.tolerance == 1e-5
+    assert report.rounding_band > 1e-10
+    assert any("computes partly in float32" in n for n in report.notes)
+
+
+def test_float64_mlp_has_a_float64_rounding_band() -> None:
+    report = verify(_mlp(), _classification(), _sum_loss, micro_batch_size=3)
+    assert report.rounding_band < 1e-14 and report.tolerance == 1e-10
