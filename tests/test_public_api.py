@@ -1,0 +1,155 @@
+"""The public surface: a short, honest ``__all__``, keyword-only options, the CLI entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+
+import pytest
+
+import fullbatch as fb
+
+# DESIGN.md "Public contract" plus the documented handles (Window, StepStats) and __version__,
+# and the "verify" entry points (DESIGN "Beyond the anchors": a verify on the user's model).
+DOCUMENTED = {
+    "Accumulator",
+    "StepStats",
+    "Window",
+    "__version__",
+    "causal_lm_loss",
+    "count_tokens",
+    "cross_entropy_sum",
+    "verify",
+    "VerifyReport",
+    "testing",
+}
+
+
+def test_all_is_exactly_the_documented_names() -> None:
+    assert len(fb.__all__) == len(set(fb.__all__)), "duplicates in __all__"
+    assert set(fb.__all__) == DOCUMENTED
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_every_name_is_importable(name: str) -> None:
+    module = importlib.import_module("fullbatch")
+    assert getattr(module, name) is not None
+    exec(f"from fullbatch import {name}", {})
+
+
+def test_star_import_gives_all() -> None:
+    namespace: dict = {}
+    exec("from fullbatch import *", namespace)
+    assert set(fb.__all__) - {"__version__"} <= set(namespace)
+
+
+def test_version_matches_metadata() -> None:
+    assert fb.__version__ == importlib.metadata.version("fullbatch")
+
+
+def test_accumulator_options_are_keyword_only() -> None:
+    sig = inspect.signature(fb.Accumulator)
+    positional = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    assert positional == ["model", "optimizer"]
+    for name in (
+        "micro_batches",
+        "micro_batch_size",
+        "scheduler",
+        "scaler",
+        "max_grad_norm",
+        "partial_window",
+        "counts",
+        "process_group",
+        "batchnorm",
+    ):
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert sig.parameters["partial_window"].default == "step"
+
+
+def test_step_stats_is_a_frozen_dataclass_with_the_documented_fields() -> None:
+    assert dataclasses.is_dataclass(fb.StepStats)
+    fields = {f.name for f in dataclasses.fields(fb.StepStats)}
+    assert {"loss", "count", "grad_norm", "skipped", "reason", "steps", "loss_scale"} <= fields
+    stats = fb.StepStats(
+        loss=1.0,
+        count=2.0,
+        grad_norm=3.0,
+        skipped=False,
+        reason=None,
+        steps=1,
+        loss_scale=0.5,
+        lr=0.1,
+        micro_batches=2,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.loss = 2.0  # type: ignore[misc]
+    assert "loss 1.0000" in str(stats)
+
+
+def test_loss_signatures() -> None:
+    ce = inspect.signature(fb.cross_entropy_sum).parameters
+    assert list(ce) == ["logits", "labels", "ignore_index", "shift"]
+    assert ce["ignore_index"].default == -100 and ce["shift"].default is False
+    lm = inspect.signature(fb.causal_lm_loss).parameters
+    assert list(lm) == ["logits", "labels", "ignore_index"]
+    ct = inspect.signature(fb.count_tokens).parameters
+    assert ct["ignore_index"].default == -100 and ct["shift"].default is True
+
+
+def test_py_typed_marker_is_shipped() -> None:
+    files = importlib.metadata.files("fullbatch") or []
+    import pathlib
+
+    package = pathlib.Path(fb.__file__).parent
+    assert (package / "py.typed").exists() or any(f.name == "py.typed" for f in files)
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    from fullbatch.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code, capsys.readouterr().out
+
+
+def _cli_modules_ready() -> bool:
+    from fullbatch import cli
+
+    for module, _ in cli._SUBCOMMANDS.values():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            return False
+        if not hasattr(mod, "add_arguments"):
+            return False
+    return True
+
+
+_CLI_WIP = pytest.mark.xfail(
+    not _cli_modules_ready(),
+    reason="the CLI subcommand modules (demo / verify, written elsewhere) are not complete yet: "
+    "cli.build_parser imports them, so even --version fails until they land",
+    strict=False,
+)
+
+
+@_CLI_WIP
+def test_cli_version(capsys) -> None:
+    code, out = _cli(["--version"], capsys)
+    assert code == 0
+    assert out.strip() == f"fullbatch {fb.__version__}"
+
+
+@_CLI_WIP
+def test_cli_help(capsys) -> None:
+    code, out = _cli(["--help"], capsys)
+    assert code == 0
+    assert "usage: fullbatch" in out
+    for sub in ("demo", "verify"):
+        assert sub in out
