@@ -271,11 +271,12 @@ def test_directory_without_config(capsys, tmp_path: Path, jsonl: Path) -> None:
     assert "no config.json in this directory" in _one_line_error(code, err)
 
 
-def test_batch_size_larger_than_data(capsys, on_path: str, jsonl: Path) -> None:
+def test_batch_size_larger_than_data(capsys, checkpoint: Path, jsonl: Path) -> None:
+    # after a checkpoint load: no progress bar on stderr either
     code, _, err = _run(
         capsys,
         "--model",
-        f"{on_path}:make",
+        str(checkpoint),
         "--data",
         str(jsonl),
         "--micro-batch-size",

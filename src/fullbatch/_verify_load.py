@@ -54,10 +54,13 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
         )
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
     except ImportError as error:
         raise InputError(
             "--model: loading a checkpoint needs transformers: pip install 'fullbatch[hf]'"
         ) from error
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # stderr is for the one-line error
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except Exception as error:
@@ -65,6 +68,9 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
             f"--model {path}: cannot load it with AutoModelForCausalLM ({_one_line(error)}); "
             "pass a causal LM checkpoint, or module:factory for other models"
         ) from error
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tokenizer = None
     if any((path / name).is_file() for name in _TOKENIZER_FILES):
         try:

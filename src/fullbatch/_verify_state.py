@@ -57,7 +57,8 @@ class ModelSnapshot:
             training=[(m, m.training) for m in model.modules()],
             buffers=buffers,
             cpu_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # CUDA not initialized yet: nothing ran on it, and querying would initialize it
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         )
         for p in params:
             p.grad = None
