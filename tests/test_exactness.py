@@ -211,12 +211,6 @@ def test_unsized_stream_of_windows_with_micro_batch_size() -> None:
     assert [s.micro_batches for s in stats] == [3, 3, 3, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Accumulator._start_window evaluates feed.full (Feed.fill) for every window, so "
-    "the whole window is read ahead, not one micro-batch (DESIGN: 'one micro-batch of "
-    "lookahead, not the whole window'; _windows.py docstring).",
-)
 def test_reads_only_one_micro_batch_ahead() -> None:
     """Without counts=, drop or len(), a window holds one micro-batch of lookahead."""
     pulled: list[int] = []

@@ -235,7 +235,13 @@ class Accumulator:
             expected = len(real)
         hint = estimate_items(real[0]) * expected if real and self._loss_scale is None else 0.0
         can_pad = self._padding_micro_batch is not None or stream.last is not None
-        row = [float(len(real)), float(feed.full), float(can_pad), hint, float(grads)]
+        row = [
+            float(len(real)),
+            float(feed.full if self._partial_window == "drop" else True),
+            float(can_pad),
+            hint,
+            float(grads),
+        ]
         names = list(self._counts or {})
         local_totals = self._local_totals(real) if self._counts is not None else []
         table = self._sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
