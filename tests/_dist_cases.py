@@ -415,3 +415,23 @@ def count_collectives(rank: int, world: int, wrapper: str, loop: str) -> dict[st
         "windows": windows,
         "k": k,
     }
+
+
+def discard_then_train(rank: int, world: int, only_rank0: bool) -> list[Any]:
+    """Window 0 is discarded (on every rank, or only on rank 0); later windows train."""
+    layout = [[2, 3, 2, 2], [3, 2, 1, 2]]
+    model = wrap(make_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    out = []
+    with fb.Accumulator(model, opt, micro_batches=2) as acc:
+        for window in acc.windows(rank_data(rank, layout)):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            if window.index == 0 and (rank == 0 or not only_rank0):
+                window.discard()
+                out.append(None)
+                continue
+            out.append(window.step().steps)
+    out.append(_full_params(model))
+    return out

@@ -114,3 +114,18 @@ def test_a_rank_that_raises_surfaces_its_own_exception() -> None:
     assert results[1].error_type == "UserError", results[1]
     assert not results[0].ok and results[0].error_type != "Timeout", results[0]
     assert results[0].exitcode not in (0, None)
+
+
+def test_discard_on_every_rank_then_train() -> None:
+    results = values(run_ranks(cases.discard_then_train, 2, False))
+    for res in results:
+        assert res[:2] == [None, 1]
+    windows = cases.reference_windows([[2, 3, 2, 2], [3, 2, 1, 2]], 2)[1:]
+    _close([results[0][-1]], cases.reference_run(windows))
+    assert torch.equal(results[0][-1], results[1][-1])
+
+
+def test_discard_on_one_rank_only_is_an_error_on_the_others() -> None:
+    results = run_ranks(cases.discard_then_train, 2, True, pg_timeout=10, deadline=60)
+    assert results[1].error_type == "RuntimeError", results[1]
+    assert "discard" in results[1].error

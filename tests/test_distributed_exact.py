@@ -24,9 +24,13 @@ CASES = [
     ("ddp", "uneven-3", 3, {"max_grad_norm": 0.3}),
     ("ddp", "uneven-2", 2, {"ddp_sync": "step"}),
     ("ddp", "uneven-2", 2, {"partial_window": "drop"}),
+    ("ddp", "uneven-3", 2, {"partial_window": "drop"}),
+    ("ddp", "no-data-rank", 2, {"ddp_sync": "step"}),  # no padding needed: reduced at step()
+    ("ddp", "uneven-2", 2, {"unsized": True}),
     ("fsdp", "uneven-2", 2, {}),
     ("fsdp", "uneven-3", 2, {"fsdp_sync": "micro_batch"}),
     ("fsdp", "uneven-3", 3, {"fsdp_sync": "window"}),
+    ("fsdp", "uneven-2", 2, {"partial_window": "drop"}),
 ]
 
 
@@ -44,7 +48,10 @@ def _check(results: list[dict], reference: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize(("wrapper", "layout", "k", "options"), CASES)
 def test_exact_every_step(wrapper: str, layout: str, k: int, options: dict) -> None:
+    options = dict(options)
+    unsized = options.pop("unsized", False)
     spec = {"wrapper": wrapper, "layout": LAYOUTS[layout], "k": k, "options": options}
+    spec["unsized"] = unsized
     results = values(run_ranks(train, len(spec["layout"]), spec))
     _check(results, reference_for(spec))
     counts = [s.count for s in results[0]["stats"]]
@@ -52,9 +59,17 @@ def test_exact_every_step(wrapper: str, layout: str, k: int, options: dict) -> N
         assert [s.count for s in res["stats"]] == counts  # stats identical on every rank
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
-def test_rank_without_data_pads(wrapper: str) -> None:
-    spec = {"wrapper": wrapper, "layout": LAYOUTS["no-data-rank"], "k": 2, "padding": True}
+@pytest.mark.parametrize(
+    ("wrapper", "options"), [("ddp", {}), ("fsdp", {}), ("fsdp", {"fsdp_sync": "micro_batch"})]
+)
+def test_rank_without_data_pads(wrapper: str, options: dict) -> None:
+    spec = {
+        "wrapper": wrapper,
+        "layout": LAYOUTS["no-data-rank"],
+        "k": 2,
+        "padding": True,
+        "options": options,
+    }
     results = values(run_ranks(train, 2, spec))
     _check(results, reference_for(spec))
     assert all(p >= 1 for p in results[1]["paddings"])  # rank 1 ran padding micro-batches
