@@ -1,23 +1,27 @@
 """``loss.png``: the demo's figure.
 
 The headline panel plots each arm's loss minus the full batch's on the same batch: naive
-accumulation splits by micro-batch size, fullbatch stays inside the band that rounding alone
-produces (the full batch with its rows permuted). Below: the training loss for context, the
-shadow-gradient error on a log scale, and the gap between the loss each recipe logs and the
-true one. Only the object-oriented Matplotlib API is used: no pyplot, no global state.
+accumulation moves off zero, differently for each micro-batch size, while fullbatch stays on
+it, as close as the full batch with its rows permuted (rounding alone). The other panels: the
+training loss for context, the shadow-gradient error and the parameter distance to the full
+batch (log scales, since they span decades), and the gap between the loss each recipe logs and
+the true one. Only the object-oriented Matplotlib API is used: no pyplot, no global state.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fullbatch._demo._experiment import Record
 
 __all__ = ["plot"]
 
 _FULL = "#222222"
-_ROUNDING = "#9a9a9a"
+_ROUNDING = "#8c8c8c"
+_LIMIT = "#b22222"
 
 
 def _series(records: Sequence[Record], arm: str, m: int | None, field: str) -> tuple[list, list]:
@@ -25,18 +29,28 @@ def _series(records: Sequence[Record], arm: str, m: int | None, field: str) -> t
     return [r.step for r in rows], [getattr(r, field) for r in rows]
 
 
-def _arm_styles(micro_batch_sizes: Sequence[int]) -> list[tuple[str, int, dict]]:
+def _rolling_mean(values: Sequence[float], width: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= width:
+            total -= values[i - width]
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def _arm_styles(micro_batch_sizes: Sequence[int]) -> list[tuple[str, int, dict[str, Any]]]:
     from matplotlib import colormaps
 
     k = len(micro_batch_sizes)
-    shades = [0.9 - 0.45 * i / max(k - 1, 1) for i in range(k)]
+    shades = [0.95 - 0.5 * i / max(k - 1, 1) for i in range(k)]
     dashes = ["-", "--", ":", "-."]
     styles = []
     for name, cmap in (("naive", "Oranges"), ("fullbatch", "Blues")):
         for i, m in enumerate(sorted(micro_batch_sizes)):
             style = {
                 "color": colormaps[cmap](shades[i]),
-                "lw": 1.6 if name == "naive" else 1.4,
+                "lw": 1.4,
                 "ls": "-" if name == "naive" else dashes[i % len(dashes)],
                 "label": f"{name}, micro-batch {m}",
             }
@@ -44,96 +58,135 @@ def _arm_styles(micro_batch_sizes: Sequence[int]) -> list[tuple[str, int, dict]]
     return styles
 
 
+def _decorate(ax: Any, title: str, ylabel: str, *, log: bool = False, **title_style: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title, loc="left", **{"fontsize": 11, **title_style})
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, which="major")
+
+
+def _headline(ax: Any, records: Sequence[Record], styles: list, full_at: dict) -> None:
+    def delta(arm: str, m: int | None) -> tuple[list, list]:
+        xs, ys = _series(records, arm, m, "true_loss")
+        return xs, [y - full_at[x] for x, y in zip(xs, ys, strict=True)]
+
+    steps = sorted(full_at)
+    width = max(1, len(steps) // 12)
+    ax.axhline(0.0, color=_FULL, lw=1.3, label="full batch", zorder=3)
+    ax.plot(
+        *delta("permuted_rows", None),
+        color=_ROUNDING,
+        lw=1.0,
+        label="full batch, rows permuted (rounding)",
+        zorder=4,
+    )
+    worst: dict[str, float] = {"naive": 0.0, "fullbatch": 0.0}
+    for name, m, style in styles:
+        xs, ys = delta(name, m)
+        worst[name] = max([worst[name], *(abs(y) for y in ys)])
+        if name == "naive":
+            ax.plot(xs, ys, color=style["color"], lw=0.7, alpha=0.35)
+            smooth = {**style, "lw": 2.2, "label": f"{style['label']} ({width}-step mean)"}
+            ax.plot(xs, _rolling_mean(ys, width), **smooth)
+        else:
+            ax.plot(xs, ys, **style, zorder=5)
+    rounding = max((abs(y) for y in delta("permuted_rows", None)[1]), default=0.0)
+    note = (
+        f"largest |loss − full-batch loss|\n"
+        f"naive:  {worst['naive']:.1e}\n"
+        f"fullbatch:  {worst['fullbatch']:.1e}\n"
+        f"rows permuted:  {rounding:.1e}"
+    )
+    ax.text(
+        0.995,
+        0.97,
+        note,
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=9,
+        family="monospace",
+        bbox={"boxstyle": "round", "fc": "white", "ec": "#cccccc"},
+    )
+    _decorate(
+        ax,
+        "Invariance: loss minus the full batch's loss on the same batch",
+        "loss − full-batch loss (nats/token)",
+        fontsize=12.5,
+        fontweight="bold",
+    )
+    ax.legend(ncol=2, fontsize=8.5, loc="lower left", frameon=True, framealpha=0.85)
+
+
 def plot(
     records: Sequence[Record],
     micro_batch_sizes: Sequence[int],
     path: Path,
     *,
-    title: str,
+    subtitle: str,
     tolerance: float,
 ) -> None:
-    """Draw the four panels into ``path`` (PNG)."""
+    """Draw the figure into ``path`` (PNG)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 9.5), layout="constrained")
-    grid = fig.add_gridspec(2, 3, height_ratios=(1.25, 1))
-    head = fig.add_subplot(grid[0, :])
-    curve, grads, logs = (fig.add_subplot(grid[1, i]) for i in range(3))
+    fig = Figure(figsize=(16, 9.5), layout="constrained")
+    grid = fig.add_gridspec(2, 3, height_ratios=(1.2, 1))
+    head = fig.add_subplot(grid[0, :2])
+    curve = fig.add_subplot(grid[0, 2])
+    grads, drift, logs = (fig.add_subplot(grid[1, i]) for i in range(3))
     styles = _arm_styles(micro_batch_sizes)
     steps, full_loss = _series(records, "full_batch", None, "true_loss")
-    full_at = dict(zip(steps, full_loss, strict=True))
+    _headline(head, records, styles, dict(zip(steps, full_loss, strict=True)))
 
-    def delta(arm: str, m: int | None) -> tuple[list, list]:
-        xs, ys = _series(records, arm, m, "true_loss")
-        return xs, [y - full_at[x] for x, y in zip(xs, ys, strict=True)]
-
-    # Headline: loss minus full-batch loss, with the rounding band.
-    xs, perm = delta("permuted_rows", None)
-    band, widest = [], 0.0
-    for value in perm:
-        widest = max(widest, abs(value))
-        band.append(widest)
-    head.fill_between(
-        xs,
-        [-b for b in band],
-        band,
-        color=_ROUNDING,
-        alpha=0.35,
-        lw=0,
-        label="rounding band: full batch, rows permuted",
-    )
-    head.axhline(0.0, color=_FULL, lw=1.2, label="full batch")
+    curve.plot(steps, full_loss, color=_FULL, lw=2.4, label="full batch")
     for name, m, style in styles:
-        head.plot(*delta(name, m), **style)
-    head.set_title(
-        "Invariance: loss minus the full batch's loss on the same batch",
-        loc="left",
-        fontsize=13,
-        fontweight="bold",
-    )
-    head.set_xlabel("optimizer step")
-    head.set_ylabel("loss − full-batch loss (nats/token)")
-    head.legend(ncol=2, fontsize=9, loc="best", frameon=False)
-    head.grid(alpha=0.3)
+        curve.plot(*_series(records, name, m, "true_loss"), **{**style, "lw": 0.9})
+    _decorate(curve, "Training loss (context)", "true loss (token mean, nats)")
 
-    # Context: the training loss itself.
-    curve.plot(steps, full_loss, color=_FULL, lw=2.2, label="full batch")
     for name, m, style in styles:
-        curve.plot(*_series(records, name, m, "true_loss"), **{**style, "lw": 1.0})
-    curve.set_title("Training loss (context)", loc="left")
-    curve.set_xlabel("optimizer step")
-    curve.set_ylabel("true loss (token mean, nats)")
-    curve.grid(alpha=0.3)
-
-    # Shadow gradients: every recipe at the full-batch weights.
-    for name, m, style in styles:
-        grads.plot(*_series(records, name, m, "shadow_grad_error"), **{**style, "lw": 1.1})
+        grads.plot(*_series(records, name, m, "shadow_grad_error"), **style)
     grads.plot(
         *_series(records, "permuted_rows", None, "shadow_grad_error"),
         color=_ROUNDING,
-        lw=1.1,
+        lw=1.2,
         label="full batch, rows permuted",
     )
     grads.axhline(
-        tolerance, color="#b22222", ls=(0, (1, 2)), lw=1.2, label=f"tolerance {tolerance:.0e}"
+        tolerance, color=_LIMIT, ls=(0, (1, 2)), lw=1.3, label=f"tolerance {tolerance:.0e}"
     )
-    grads.set_yscale("log")
-    grads.set_title("Gradient error at the full-batch weights", loc="left")
-    grads.set_xlabel("optimizer step")
-    grads.set_ylabel("‖g − g_full‖ / ‖g_full‖")
-    grads.legend(fontsize=7, frameon=False, loc="center right")
-    grads.grid(alpha=0.3, which="both")
+    _decorate(
+        grads, "Gradient error at the full-batch weights", "‖g − g_full‖ / ‖g_full‖", log=True
+    )
+    grads.legend(fontsize=7.5, loc="center right", framealpha=0.85)
 
-    # What each recipe logs versus the true loss.
+    for name, m, style in styles:
+        drift.plot(*_series(records, name, m, "param_distance"), **style)
+    drift.plot(
+        *_series(records, "permuted_rows", None, "param_distance"),
+        color=_ROUNDING,
+        lw=1.2,
+        label="full batch, rows permuted",
+    )
+    _decorate(drift, "Distance from the full-batch weights", "‖θ − θ_full‖ / ‖θ_full‖", log=True)
+
     logs.axhline(0.0, color=_FULL, lw=1.0)
     for name, m, style in styles:
         xs, reported = _series(records, name, m, "reported_loss")
-        _, true = _series(records, name, m, "true_loss")
-        logs.plot(xs, [r - t for r, t in zip(reported, true, strict=True)], **{**style, "lw": 1.1})
-    logs.set_title("Logged loss minus true loss", loc="left")
-    logs.set_xlabel("optimizer step")
-    logs.set_ylabel("reported − true (nats/token)")
-    logs.grid(alpha=0.3)
+        true = _series(records, name, m, "true_loss")[1]
+        logs.plot(xs, [r - t for r, t in zip(reported, true, strict=True)], **{**style, "lw": 1.0})
+    _decorate(logs, "Logged loss minus true loss", "reported − true (nats/token)")
 
-    fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    fig.suptitle(
+        "fullbatch demo: naive accumulation vs fullbatch vs the full batch",
+        x=0.01,
+        ha="left",
+        fontsize=15,
+        fontweight="bold",
+    )
+    fig.supxlabel("\n".join(textwrap.wrap(subtitle, 230)), fontsize=9, color="#444444")
     fig.savefig(path, dpi=110)

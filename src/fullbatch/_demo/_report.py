@@ -6,7 +6,7 @@ import csv
 import dataclasses
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,39 +152,48 @@ def _per_size(errors: dict[int, float]) -> str:
     return ", ".join(f"m={m}: {e:.1e}" for m, e in sorted(errors.items()))
 
 
+def _max(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def _times(ratio: float) -> str:
+    if not math.isfinite(ratio) or ratio <= 0:
+        return "incomparably"
+    return f"about 10^{round(math.log10(ratio))} times"
+
+
 def verdict_text(verdict: Verdict, context: str) -> str:
-    """The closing paragraph: the verdict line, then the numbers behind it, wrapped to 88."""
+    """The closing paragraph: context, the numbers (wrapped to 92 columns), the outcome."""
     v = verdict
-    fb_max = max(v.fullbatch_error.values())
-    naive_max = max(v.naive_error.values())
-    ratio = naive_max / fb_max if fb_max > 0 else math.inf
+    fb_max, naive_max = _max(v.fullbatch_error.values()), _max(v.naive_error.values())
     body = (
-        f"At the full-batch weights, fullbatch's gradient differs from the full batch's by at "
-        f"most {fb_max:.1e} relative over {v.steps} steps ({_per_size(v.fullbatch_error)}); "
-        f"the same batch with its rows in another order differs by {v.rounding_error:.1e}, so "
-        f"that is rounding. Naive loss/K accumulation is off by up to {naive_max:.1e} "
-        f"({_per_size(v.naive_error)}), {ratio:,.0f} times more, and logs a loss up to "
-        f"{v.naive_log_gap:.3f} away from the true one. Along the trajectories, the loss of "
-        f"naive departs from the full batch's by up to {v.naive_loss_gap:.4f}, fullbatch's by "
-        f"{v.fullbatch_loss_gap:.4f}, and two exact full-batch runs (rows permuted) by "
-        f"{v.rounding_loss_gap:.4f}; final parameter distance to the full batch: naive "
-        f"{v.naive_distance:.1e}, fullbatch {v.fullbatch_distance:.1e}, rows permuted "
-        f"{v.rounding_distance:.1e} (training amplifies rounding; that is the band to judge by)."
+        f"Gradients, all taken at the full-batch weights, over {v.steps} steps: fullbatch "
+        f"differs from the full batch by at most {fb_max:.1e} relative "
+        f"({_per_size(v.fullbatch_error)}), as much as the full batch with its rows in another "
+        f"order ({v.rounding_error:.1e}): rounding. Naive loss/K accumulation is off by up to "
+        f"{naive_max:.1e} ({_per_size(v.naive_error)}), {_times(naive_max / fb_max)} more, "
+        f"and the loss it logs is off by up to {v.naive_log_gap:.3f} nats. Trajectories: the "
+        f"largest gap to the full batch's loss is {v.naive_loss_gap:.1e} for naive, "
+        f"{v.fullbatch_loss_gap:.1e} for fullbatch and {v.rounding_loss_gap:.1e} for the "
+        f"rows-permuted full batch; after the last step the weights are {v.naive_distance:.1e} "
+        f"(naive), {v.fullbatch_distance:.1e} (fullbatch) and {v.rounding_distance:.1e} (rows "
+        "permuted) away from the full batch's, relative. Training amplifies rounding, so the "
+        "rows-permuted run is the band to judge trajectories by."
     )
     if v.exit_code == 0:
         outcome = (
-            f"PASS: fullbatch's shadow-gradient error stays below {v.tolerance:.0e} and every "
-            "naive micro-batch size exceeds it."
+            f"PASS: fullbatch's shadow-gradient error stayed below {v.tolerance:.0e} at every "
+            "step; every naive micro-batch size exceeded it."
         )
     elif not v.fullbatch_exact:
         outcome = (
             f"FAIL: fullbatch's shadow-gradient error reached {fb_max:.1e}, above "
-            f"{v.tolerance:.0e}: please report this with the command line."
+            f"{v.tolerance:.0e}; please report this with the command line."
         )
     else:
         outcome = (
-            f"INCONCLUSIVE: naive stayed below {v.tolerance:.0e} at some micro-batch size, so "
-            "this data did not show the problem (every micro-batch held as many tokens?)."
+            f"INCONCLUSIVE: a naive micro-batch size stayed below {v.tolerance:.0e}, so this "
+            "data did not show the problem (did every micro-batch hold as many tokens?)."
         )
-    lines = [context, *textwrap.wrap(body, 88), outcome]
-    return "\n".join(lines)
+    return "\n".join([context, *textwrap.wrap(body, 92), outcome])
