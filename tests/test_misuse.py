@@ -539,13 +539,6 @@ def numbered_micro_batches(n: int) -> list[dict]:
     return [class_batch(1, seed=i) | {"i": torch.tensor([i])} for i in range(n)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with one micro-batch of lookahead (a728951), window.discard() after an early "
-    "break drops the yielded micro-batches and the lookahead but leaves the rest of the window "
-    "in the loader: with micro_batches=4 and a discard after micro-batch 0, the next window is "
-    "[2, 3, 4, 5] (micro-batch 1 is lost and every later window boundary shifts).",
-)
 @pytest.mark.parametrize("yielded", [1, 2])
 def test_discard_keeps_window_boundaries(yielded: int) -> None:
     """A discarded window's micro-batches are either all dropped (the next window is the next

@@ -256,4 +256,5 @@ class Window:
         if self._closed:
             return
         self._closed = True
+        self._feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
         self._acc._discard(self)
