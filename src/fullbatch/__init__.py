@@ -1,8 +1,10 @@
 """fullbatch: gradient accumulation that trains exactly like the full batch.
 
+Start with :class:`Accumulator`; prove equivalence on your own model with :func:`verify`.
+
 >>> import fullbatch as fb
->>> sorted(fb.__all__)[:3]
-['Accumulator', 'StepStats', 'Window']
+>>> fb.Accumulator.__name__, fb.Window.__name__, fb.StepStats.__name__
+('Accumulator', 'Window', 'StepStats')
 """
 
 from fullbatch import testing
