@@ -580,3 +580,25 @@ def test_discard_of_a_whole_window_keeps_boundaries() -> None:
                 assert window.step().micro_batches == len(got)
             windows.append(got)
     assert windows == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("value", [-1, math.nan, math.inf, torch.tensor(-2.0), "n"], ids=repr)
+def test_counts_function_returning_a_bad_value(s: Setup, value) -> None:
+    snap = s.snapshot()
+    with s.acc(counts={"n": lambda m: value}) as acc, pytest.raises(ValueError, match="count"):
+        next(iter(acc.windows([s.batch])))
+    s.assert_unchanged(snap)
+
+
+def test_len_of_a_window_counts_its_micro_batches() -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lengths = []
+    with fb.Accumulator(model, opt, micro_batches=3) as acc:
+        for window in acc.windows(iter(numbered_micro_batches(7))):
+            lengths.append(len(window))
+            for i, micro in enumerate(window):
+                assert len(window) == lengths[-1], i  # stable while iterating
+                window.backward(*fb.cross_entropy_sum(model(micro["x"]), micro["y"]))
+            assert window.step().micro_batches == lengths[-1]
+    assert lengths == [3, 3, 1]
