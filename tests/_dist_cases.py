@@ -102,6 +102,21 @@ def wrap(model: nn.Module, wrapper: str, group: Any = None) -> nn.Module:
     raise ValueError(wrapper)
 
 
+def fit(
+    model: nn.Module, loader: Any, k: int = 2, **options: Any
+) -> list[tuple[Any, torch.Tensor]]:
+    """The standard fullbatch loop; ``(StepStats, full parameters)`` after every window."""
+    opt = make_optimizer(model.parameters())
+    out = []
+    with fb.Accumulator(model, opt, micro_batches=k, **options) as acc:
+        for window in acc.windows(loader):
+            for micro in window:
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            out.append((window.step(), _full_params(model)))
+    return out
+
+
 def train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train on this rank's micro-batches with fullbatch; return params after every step."""
     layout = spec["layout"]
@@ -205,16 +220,7 @@ class Gated(nn.Module):
 def conditional(rank: int, world: int, find_unused: bool) -> list[torch.Tensor]:
     layout = [[2, 3, 2, 1], [3, 1, 2, 2]]
     model = nn.parallel.DistributedDataParallel(Gated(), find_unused_parameters=find_unused)
-    opt = make_optimizer(model.parameters())
-    snaps = []
-    with fb.Accumulator(model, opt, micro_batches=2) as acc:
-        for window in acc.windows(rank_data(rank, layout, seed=3)):
-            for micro in window:
-                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-                window.backward(loss_sum, n)
-            window.step()
-            snaps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    return snaps
+    return [params for _, params in fit(model, rank_data(rank, layout, seed=3))]
 
 
 def conditional_reference() -> list[torch.Tensor]:
@@ -237,16 +243,7 @@ def conditional_reference() -> list[torch.Tensor]:
 def static_graph(rank: int, world: int) -> list[torch.Tensor]:
     layout = [[3, 1, 4, 2, 5], [2, 6, 1]]
     model = nn.parallel.DistributedDataParallel(make_model(), static_graph=True)
-    opt = make_optimizer(model.parameters())
-    snaps = []
-    with fb.Accumulator(model, opt, micro_batches=2) as acc:
-        for window in acc.windows(rank_data(rank, layout)):
-            for micro in window:
-                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-                window.backward(loss_sum, n)
-            window.step()
-            snaps.append(_full_params(model))
-    return snaps
+    return [params for _, params in fit(model, rank_data(rank, layout))]
 
 
 def subgroups(rank: int, world: int, mode: str) -> list[torch.Tensor]:
@@ -267,17 +264,8 @@ def subgroups(rank: int, world: int, mode: str) -> list[torch.Tensor]:
 
         model.register_comm_hook(group, summing)
         options["grad_divisor"] = 1
-    opt = make_optimizer(model.parameters())
-    snaps = []
     seed = 10 + rank // 2  # each group has its own data
-    with fb.Accumulator(model, opt, micro_batches=2, **options) as acc:
-        for window in acc.windows(rank_data(member, layout, seed=seed)):
-            for micro in window:
-                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-                window.backward(loss_sum, n)
-            window.step()
-            snaps.append(_full_params(model))
-    return snaps
+    return [params for _, params in fit(model, rank_data(member, layout, seed=seed), **options)]
 
 
 def subgroup_reference(group_index: int) -> list[torch.Tensor]:
@@ -288,20 +276,10 @@ def subgroup_reference(group_index: int) -> list[torch.Tensor]:
 def nonfinite(rank: int, world: int) -> list[Any]:
     """Rank 1's second micro-batch of window 0 has an inf input: window 0 skips everywhere."""
     layout = [[2, 3, 2, 2], [3, 2, 1, 2]]
-    model = wrap(make_model(), "ddp")
-    opt = make_optimizer(model.parameters())
     data = rank_data(rank, layout)
     if rank == 1:
         data[1]["x"][0, 0] = float("inf")
-    out = []
-    with fb.Accumulator(model, opt, micro_batches=2) as acc:
-        for window in acc.windows(data):
-            for micro in window:
-                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-                window.backward(loss_sum, n)
-            s = window.step()
-            out.append((s.skipped, s.reason, s.steps, _full_params(model)))
-    return out
+    return [(s.skipped, s.reason, s.steps, p) for s, p in fit(wrap(make_model(), "ddp"), data)]
 
 
 def skip_final_backward(rank: int, world: int) -> None:
@@ -396,14 +374,7 @@ def count_collectives(rank: int, world: int, wrapper: str, loop: str) -> dict[st
         windows = len(data) // k
     else:
         options = {"fsdp_sync": "micro_batch"} if loop == "micro_batch" else {}
-        windows = 0
-        with fb.Accumulator(model, opt, micro_batches=k, **options) as acc:
-            for window in acc.windows(data):
-                for micro in window:
-                    loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-                    window.backward(loss_sum, n)
-                window.step()
-                windows += 1
+        windows = len(fit(model, data, k, **options))
     grad_before = calls["grad"]
     # One plain synced backward measures the bucket / FSDP-group count.
     out = model(data[0]["x"]).sum()
