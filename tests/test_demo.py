@@ -349,6 +349,15 @@ def test_exit_code_needs_fullbatch_exact_and_naive_visibly_wrong(
 
 
 def test_table_rows_line_up_with_the_header() -> None:
-    header = table_header([1])
-    row = table_row(_records(1e-7, 1e-2)[:4], [1])
-    assert {len(line) for line in header.splitlines()} == {len(row)}
+    def bars(line: str) -> list[int]:
+        return [i for i, c in enumerate(line) if c == "|"]
+
+    for sizes in ([1], [1, 2, 4]):
+        records = _records(1e-7, 1e-2)[:4]
+        records += [
+            Record(1, a, m, 2.0, 2.0, 0.1, 0.1) for a in ("naive", "fullbatch") for m in sizes
+        ]
+        top, bottom = table_header(sizes).splitlines()
+        row = table_row(records, sizes)
+        assert bars(top) == bars(bottom) == bars(row)
+        assert len(bottom) == len(row)

@@ -27,22 +27,31 @@ def write_csv(records: Sequence[Record], path: Path) -> None:
             writer.writerow([getattr(record, name) for name in names])
 
 
-def _group(title: str, columns: int) -> int:
-    return max(_COL * columns, len(title) + 2)
+_SEP = " | "
+
+
+def _titles(micro_batch_sizes: Sequence[int]) -> list[tuple[str, list[str]]]:
+    sizes = [f"m={m}" for m in micro_batch_sizes]
+    return [
+        ("", ["step", "loss"]),
+        ("naive: gradient error", sizes),
+        ("fullbatch: gradient error", sizes),
+        ("rows permuted", ["grad", "drift"]),
+    ]
+
+
+def _join(groups: Sequence[str], titles: Sequence[tuple[str, list[str]]]) -> str:
+    widths = [max(_COL * len(names), len(title)) for title, names in titles]
+    return _SEP.join(f"{g:>{w}}" for g, w in zip(groups, widths, strict=True))
 
 
 def table_header(micro_batch_sizes: Sequence[int]) -> str:
     """Two header lines for :func:`table_row`."""
-    k = len(micro_batch_sizes)
-    titles = ("naive grad error", "fullbatch grad error", "rows permuted")
-    widths = (_group(titles[0], k), _group(titles[1], k), _group(titles[2], 2))
-    top = " " * 13 + "".join(f"|{t:^{w}}" for t, w in zip(titles, widths, strict=True))
-    sizes = "".join(f"{f'm={m}':>{_COL}}" for m in micro_batch_sizes)
-    rounding = f"{'grad':>{_COL}}{'drift':>{_COL}}"
-    bottom = (
-        f"{'step':>5} {'loss':>7}|{sizes:>{widths[0]}}|{sizes:>{widths[1]}}|{rounding:>{widths[2]}}"
-    )
-    return f"{top}\n{bottom}"
+    titles = _titles(micro_batch_sizes)
+    widths = [max(_COL * len(names), len(title)) for title, names in titles]
+    top = _SEP.join(f"{title:^{w}}" for (title, _), w in zip(titles, widths, strict=True))
+    names = ["".join(f"{n:>{_COL}}" for n in group) for _, group in titles]
+    return f"{top.rstrip()}\n{_join(names, titles)}"
 
 
 def table_row(records: Sequence[Record], micro_batch_sizes: Sequence[int]) -> str:
@@ -50,16 +59,12 @@ def table_row(records: Sequence[Record], micro_batch_sizes: Sequence[int]) -> st
     by_arm = {(r.arm, r.micro_batch_size): r for r in records}
     full = next(r for r in records if r.arm == "full_batch")
     permuted = next(r for r in records if r.arm == "permuted_rows")
-    k = len(micro_batch_sizes)
-    widths = (_group("naive grad error", k), _group("fullbatch grad error", k))
-    cells = []
-    for arm, width in zip(("naive", "fullbatch"), widths, strict=True):
-        errors = "".join(
-            f"{by_arm[arm, m].shadow_grad_error:>{_COL}.1e}" for m in micro_batch_sizes
-        )
-        cells.append(f"{errors:>{width}}")
-    drift = f"{permuted.shadow_grad_error:>{_COL}.1e}{permuted.param_distance:>{_COL}.1e}"
-    return f"{full.step:>5} {full.true_loss:>7.4f}|{cells[0]}|{cells[1]}|{drift}"
+    groups = [f"{full.step:>{_COL}}{full.true_loss:>{_COL}.4f}"]
+    for arm in ("naive", "fullbatch"):
+        errors = (by_arm[arm, m].shadow_grad_error for m in micro_batch_sizes)
+        groups.append("".join(f"{e:>{_COL}.1e}" for e in errors))
+    groups.append(f"{permuted.shadow_grad_error:>{_COL}.1e}{permuted.param_distance:>{_COL}.1e}")
+    return _join(groups, _titles(micro_batch_sizes))
 
 
 @dataclass(frozen=True)
