@@ -5,6 +5,7 @@ hand-written loop that backpropagates ``loss_sum / N``; raw sums overflow more o
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -29,8 +30,8 @@ class SmallLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
+        self.up = nn.Linear(DIM, DIM)
+        self.down = nn.Linear(DIM, DIM)
         self.out = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -81,9 +82,10 @@ def hand_written(model, windows, settings, normalize: bool) -> tuple[int, list[f
     return skips, losses
 
 
-@pytest.fixture(scope="module", params=sorted(SCALERS))
-def runs(request):
-    settings = SCALERS[request.param]
+@functools.cache
+def runs(name: str):
+    """The three loops under one scaler setting (computed once per setting)."""
+    settings = SCALERS[name]
     windows = corpus()
     torch.manual_seed(0)
     model = SmallLM()
@@ -98,34 +100,61 @@ def runs(request):
             stats.append(window.step())
     normalized = hand_written(copy.deepcopy(model), windows, settings, normalize=True)
     raw = hand_written(copy.deepcopy(model), windows, settings, normalize=False)
-    return windows, stats, normalized, raw, request.param
-
-
-def test_fullbatch_skips_no_more_than_loss_over_n(runs, record_property) -> None:
-    _, stats, (ref_skips, ref_losses), (raw_skips, _), name = runs
-    assert len(stats) == WINDOWS and all(s.micro_batches == 3 for s in stats)
     skips = sum(s.skipped for s in stats)
     print(
-        f"\nfp16 ({name} scaler) skipped windows of {WINDOWS}: fullbatch {skips}, "
-        f"loss_sum/N {ref_skips}, raw sums {raw_skips}"
+        f"\nfp16 ({name} scaler) skipped windows of {WINDOWS}: fullbatch {skips} "
+        f"{[i for i, s in enumerate(stats) if s.skipped]}, loss_sum/N {normalized[0]}, "
+        f"raw sums {raw[0]}"
     )
+    return windows, stats, normalized, raw
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "default",
+        pytest.param(
+            "aggressive",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="BUG (DESIGN 'Precision'): c is the power of two NEAREST to 1/N of the "
+                "previous window, so c·N of the current window reaches ~1.3-1.4: the effective "
+                "fp16 scale is that much above loss_sum/N's, and a scaler that keeps probing "
+                "the overflow boundary skips more: fullbatch 6 of 30 windows "
+                "(14, 15, 20, 23, 26, 29) vs loss_sum/N 5. Rounding c down "
+                "(2**-ceil(log2 N)) gives 4 here.",
+            ),
+        ),
+    ],
+)
+def test_fullbatch_skips_no_more_than_loss_over_n(name: str, record_property) -> None:
+    _, stats, (ref_skips, _), (raw_skips, _) = runs(name)
+    assert len(stats) == WINDOWS and all(s.micro_batches == 3 for s in stats)
+    skips = sum(s.skipped for s in stats)
     record_property("fp16_skips_fullbatch", skips)
     record_property("fp16_skips_loss_over_n", ref_skips)
     record_property("fp16_skips_raw_sums", raw_skips)
     assert skips <= ref_skips
-    # the same training: the last window's loss agrees with the reference loop's
-    last = next(s for s in reversed(stats) if not s.skipped)
-    assert last.loss == pytest.approx(ref_losses[stats.index(last)], rel=1e-3)
 
 
-def test_raw_sums_skip_more(runs) -> None:
+@pytest.mark.parametrize("name", sorted(SCALERS))
+def test_same_training_as_the_reference_loop(name: str) -> None:
+    _, stats, (_, ref_losses), _ = runs(name)
+    # the reference loop's loss (before its own step) at the last window fullbatch stepped
+    last = max(i for i, s in enumerate(stats) if not s.skipped)
+    assert stats[last].loss == pytest.approx(ref_losses[last], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(SCALERS))
+def test_raw_sums_skip_more(name: str) -> None:
     """DESIGN's motivation for pre-normalizing: raw loss sums overflow fp16 gradients."""
-    _, _, (ref_skips, _), (raw_skips, _), _ = runs
+    _, _, (ref_skips, _), (raw_skips, _) = runs(name)
     assert raw_skips > ref_skips
 
 
-def test_loss_scale_is_a_power_of_two_near_one_over_n(runs) -> None:
-    windows, stats, _, _, _ = runs
+@pytest.mark.parametrize("name", sorted(SCALERS))
+def test_loss_scale_is_a_power_of_two_near_one_over_n(name: str) -> None:
+    windows, stats, _, _ = runs(name)
     counts = [int((w["labels"][:, 1:] != -100).sum()) for w in windows]
     assert [s.count for s in stats] == counts
     for i, s in enumerate(stats):
@@ -135,4 +164,4 @@ def test_loss_scale_is_a_power_of_two_near_one_over_n(runs) -> None:
             assert 1 / 16 <= s.loss_scale * counts[0] <= 2, (s.loss_scale, counts[0])
         else:  # fixed before the window's first backward: ≈ 1 / N of the previous window
             ratio = s.loss_scale * counts[i - 1]
-            assert 2**-0.5 <= ratio <= 2**0.5, (i, s.loss_scale, counts[i - 1])
+            assert 0.5 <= ratio <= 2**0.5, (i, s.loss_scale, counts[i - 1])
