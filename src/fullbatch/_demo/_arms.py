@@ -23,6 +23,7 @@ __all__ = [
     "Losses",
     "full_batch_step",
     "fullbatch_step",
+    "make_arm",
     "naive_step",
     "param_distance",
     "relative_error",
@@ -112,15 +113,16 @@ def naive_step(
 def fullbatch_step(acc: fb.Accumulator, model: torch.nn.Module, batch: Batch) -> Losses:
     """fullbatch: summed losses and token counts; the Accumulator normalizes and steps."""
     sums, counts = [], []
-    for window in acc.windows([batch]):
+    for window in acc.windows([batch]):  # one loader item: one window
         for micro in window:
             loss_sum, n = _loss_sum(model, micro)
             window.backward(loss_sum, n)
             sums.append(loss_sum.detach())
             counts.append(n)
         stats = window.step()
-    true = (torch.stack(sums).sum() / torch.stack(counts).sum()).item()
-    return Losses(true=true, reported=stats.loss)
+        true = (torch.stack(sums).sum() / torch.stack(counts).sum()).item()
+        return Losses(true=true, reported=stats.loss)
+    raise AssertionError("unreachable: a one-item loader yields one window")
 
 
 @dataclass
