@@ -255,8 +255,9 @@ def test_dataloader_of_micro_batches() -> None:
 # -- clipping --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("fraction", [0.3, 0.999, 5.0])
-def test_clipping_equals_clipped_full_batch_gradient(fraction: float) -> None:
+def test_clipping_equals_clipped_full_batch_gradient(fraction: float, scaled: bool) -> None:
     batch = lm_window()
     model = make_lm()
     ref = full_batch_reference(model, batch)
@@ -267,7 +268,10 @@ def test_clipping_equals_clipped_full_batch_gradient(fraction: float) -> None:
     for h, g in zip(holders, clipped, strict=True):
         h.grad = g
     torch.nn.utils.clip_grad_norm_(holders, max_norm)
-    update, stats = sgd_update(model, [batch], micro_batch_size=3, max_grad_norm=max_norm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14) if scaled else None
+    update, stats = sgd_update(
+        model, [batch], micro_batch_size=3, max_grad_norm=max_norm, scaler=scaler
+    )
     assert rel_err(update, [h.grad for h in holders]) < RTOL
     assert_close_rel(stats.grad_norm, ref.grad_norm, RTOL)  # reported norm is pre-clip
     if fraction < 1:
@@ -601,3 +605,12 @@ def test_optimizer_parameter_outside_the_model() -> None:
     update = [b - a for b, a in zip(before, after, strict=True)]
     assert rel_err(update[-1:], want[-1:]) < RTOL
     assert rel_err(update, want) < RTOL
+
+
+@pytest.mark.parametrize("kwargs", [{"micro_batches": 2}, {"micro_batch_size": 2}])
+def test_empty_loader_yields_no_window(kwargs) -> None:
+    model = make_mlp()
+    before = params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    assert run_fullbatch(model, opt, iter([]), **kwargs) == []
+    assert all(torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
