@@ -322,7 +322,9 @@ def aux_row_sum(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, 0].square().mean(dim=-1).sum()
 
 
-def two_term_reference(model, batch: Batch):
+def two_term_objective(weight: float = AUX_WEIGHT):
+    """Plain PyTorch: mean token cross-entropy plus ``weight`` x the mean per-row term."""
+
     def objective(m, b):
         logits = m(b["input_ids"])
         ce = F.cross_entropy(
@@ -331,9 +333,13 @@ def two_term_reference(model, batch: Batch):
             ignore_index=IGNORE,
         )
         rows = b["input_ids"].shape[0]
-        return ce + AUX_WEIGHT * logits[:, 0].square().mean(dim=-1).sum() / rows
+        return ce + weight * logits[:, 0].square().mean(dim=-1).sum() / rows
 
-    return full_batch_reference(model, batch, objective)
+    return objective
+
+
+def two_term_reference(model, batch: Batch):
+    return full_batch_reference(model, batch, two_term_objective())
 
 
 @pytest.mark.parametrize("loader_kind", ["micro_batches", "micro_batch_size"])

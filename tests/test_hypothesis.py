@@ -143,3 +143,40 @@ def test_stream_windows_each_normalized_by_own_count(n_micro, k, drop, data) -> 
     for s, p, r in zip(stats, snaps, ref, strict=True):
         assert_close_rel(s.loss, r["loss"], RTOL)
         assert rel_err(p, r["params"]) < RTOL
+
+
+@SETTINGS
+@given(data=st.data(), weight=st.floats(0.0, 2.0))
+def test_two_terms_shares_any_partition(data, weight) -> None:
+    """Up-front form: token CE over window.totals["tokens"] plus a per-row term over
+    window.totals["rows"], two backward calls per micro-batch, any uneven partition."""
+    import fullbatch as fb
+    from test_exactness import aux_row_sum, two_term_objective
+
+    batch = data.draw(lm_windows())
+    rows = batch["input_ids"].shape[0]
+    sizes = partition(data.draw, rows) if rows > 1 else [1]
+    model = make_lm(0, vocab=VOCAB)
+    ref = full_batch_reference(model, batch, two_term_objective(weight))
+    counts = {
+        "tokens": lambda m: fb.count_tokens(m["labels"]),
+        "rows": lambda m: m["input_ids"].shape[0],
+    }
+
+    def shares(m, micro, totals):
+        logits = m(micro["input_ids"])
+        ce_sum, _ = fb.causal_lm_loss(logits, micro["labels"])
+        return ce_sum / totals["tokens"], weight * aux_row_sum(logits) / totals["rows"]
+
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with fb.Accumulator(model, opt, micro_batches=len(sizes), counts=counts) as acc:
+        for window in acc.windows(split_uneven(batch, sizes)):
+            for micro in window:
+                first, second = shares(model, micro, window.totals)
+                window.backward(first, retain_graph=True)
+                window.backward(second)
+            stats = window.step()
+    update = [b - a.detach() for b, a in zip(before, model.parameters(), strict=True)]
+    assert rel_err(update, ref.grads) < RTOL
+    assert_close_rel(stats.loss, ref.loss, RTOL)
