@@ -575,13 +575,6 @@ def test_shares_with_clipping_and_scaler(scaled: bool) -> None:
 # -- parameters the optimizer steps but the model does not own --------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: only model.parameters() are normalized (Accumulator._params); a parameter that "
-    "is in the optimizer but not in the model (e.g. a learnable temperature or loss weight) is "
-    "stepped with the raw c·ΣS gradient, silently wrong (0.42 instead of 0.48 here). Normalize "
-    "every parameter of optimizer.param_groups too, or refuse such an optimizer with ValueError.",
-)
 def test_optimizer_parameter_outside_the_model() -> None:
     batch = class_batch(8, seed=1, ignore=(2,))
     model = make_mlp()

@@ -113,18 +113,7 @@ def runs(name: str):
     "name",
     [
         "default",
-        pytest.param(
-            "aggressive",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG (DESIGN 'Precision'): c is the power of two NEAREST to 1/N of the "
-                "previous window, so c·N of the current window reaches ~1.3-1.4: the effective "
-                "fp16 scale is that much above loss_sum/N's, and a scaler that keeps probing "
-                "the overflow boundary skips more: fullbatch 6 of 30 windows "
-                "(14, 15, 20, 23, 26, 29) vs loss_sum/N 5. Rounding c down "
-                "(2**-ceil(log2 N)) gives 4 here.",
-            ),
-        ),
+        "aggressive",
     ],
 )
 def test_fullbatch_skips_no_more_than_loss_over_n(name: str, record_property) -> None:

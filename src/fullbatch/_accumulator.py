@@ -30,6 +30,33 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _trained_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, distributed: bool
+) -> list[nn.Parameter]:
+    """The parameters whose gradients fullbatch normalizes: the model's and the optimizer's.
+
+    A parameter the optimizer steps but the model does not own (a learnable temperature, a
+    loss weight) is normalized like the rest; under DDP/FSDP2 it is refused, since the
+    wrapper would not reduce its gradient over ranks.
+    """
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    owned = set(params)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in owned:
+                if distributed:
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that the "
+                        "wrapped model does not own; DDP/FSDP2 would not reduce its gradient "
+                        "over ranks. Register it on the model (e.g. as an nn.Parameter "
+                        "attribute of a submodule) before wrapping."
+                    )
+                params[id(p)] = p
+    if not params:
+        raise ValueError("the model has no parameter with requires_grad=True: nothing to train.")
+    return list(params.values())
+
+
 class Accumulator:
     """Gradient accumulation whose every step equals the full-batch step.
 
@@ -152,11 +179,7 @@ class Accumulator:
             fsdp_sync=fsdp_sync,
             grad_divisor=grad_divisor,
         )
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        if not self._params:
-            raise ValueError(
-                "the model has no parameter with requires_grad=True: nothing to train."
-            )
+        self._params = _trained_params(model, optimizer, distributed=self._sync.group is not None)
         self._stat_device = (
             self._params[0].device if self._sync.group is None else self._sync.device
         )

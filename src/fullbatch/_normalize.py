@@ -3,9 +3,9 @@
 Every scale factor the library applies is computed here (STYLE rule 2):
 
 - ``c`` multiplies every loss before backward. It is a power of two, so multiplying by it is
-  exact in every floating-point format, and it is ``≈ 1 / N`` so that fp16 gradients stay in
-  range. It is fixed before a window's first backward: the previous window's ``1 / N``, or for
-  the first window an estimate from the first micro-batch's size.
+  exact in every floating-point format, and it is ``<= 1 / N`` (within a factor 2) so that
+  fp16 gradients stay in range. It is fixed before a window's first backward, from the
+  previous window's ``N``, or for the first window from an estimate of its size.
 - at the step the gradient is multiplied by ``W / (c · N)`` (count form) or ``W`` (share form),
   computed in float64, where ``W`` is the divisor the data-parallel wrapper applies.
 """
@@ -66,10 +66,18 @@ def check_count(count: Any) -> float | torch.Tensor:
 
 
 def power_of_two_scale(items: float) -> float:
-    """The power of two nearest to ``1 / items`` (1.0 for ``items <= 1`` or non-finite)."""
+    """The largest power of two ``c`` with ``c · items <= 1`` (1.0 for ``items <= 1``).
+
+    Rounding down, not to nearest: ``c·N`` of the next window then exceeds 1 only when that
+    window holds more items than this one, so fp16 gradients are rarely larger than those of
+    a loop that backpropagates ``loss_sum / N``.
+
+    >>> power_of_two_scale(1000), power_of_two_scale(1024), power_of_two_scale(0.5)
+    (0.0009765625, 0.0009765625, 1.0)
+    """
     if not math.isfinite(items) or items <= 1:
         return 1.0
-    return math.ldexp(1.0, -round(math.log2(items)))
+    return math.ldexp(1.0, -math.ceil(math.log2(items)))
 
 
 def estimate_items(micro: Any) -> float:
