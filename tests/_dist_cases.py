@@ -406,3 +406,11 @@ def discard_then_train(rank: int, world: int, only_rank0: bool) -> list[Any]:
             out.append(window.step().steps)
     out.append(_full_params(model))
     return out
+
+
+def foreign_parameter(rank: int, world: int) -> None:
+    """An optimizer parameter outside the DDP model: its gradient would not be reduced."""
+    model = wrap(make_model(), "ddp")
+    temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+    opt = make_optimizer([*model.parameters(), temperature])
+    fb.Accumulator(model, opt, micro_batches=2)

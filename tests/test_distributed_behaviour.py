@@ -129,3 +129,9 @@ def test_discard_on_one_rank_only_is_an_error_on_the_others() -> None:
     results = run_ranks(cases.discard_then_train, 2, True, pg_timeout=10, deadline=60)
     assert results[1].error_type == "RuntimeError", results[1]
     assert "discard" in results[1].error
+
+
+def test_optimizer_parameter_outside_the_ddp_model_is_refused() -> None:
+    results = run_ranks(cases.foreign_parameter, 2)
+    for res in results:
+        assert res.error_type == "ValueError" and "does not own" in res.error, res
