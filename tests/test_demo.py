@@ -51,6 +51,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_demo(*argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of ``fullbatch demo ARGV``."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["demo", *argv])
@@ -132,10 +133,9 @@ def test_demo_fullbatch_is_exact_and_naive_is_not(demo: tuple[int, str, Path]) -
 
 
 def test_demo_verdict_names_python_and_corpus(demo: tuple[int, str, Path]) -> None:
-    _, stdout, _ = demo
+    stdout = " ".join(demo[1].split())  # undo line wrapping
     version = ".".join(map(str, sys.version_info[:3]))
-    assert f"Python {version}, corpus " in stdout
-    assert re.search(r"corpus [0-9a-f]{12}:", stdout)
+    assert re.search(rf"Verdict \(Python {re.escape(version)}, corpus [0-9a-f]{{12}}\):", stdout)
     assert "PASS" in stdout
     assert "metrics.csv" in stdout and "loss.png" in stdout
 
@@ -166,6 +166,7 @@ def test_demo_with_a_local_checkpoint(tmp_path: Path) -> None:
         "--model", str(checkpoint), "--steps", "2", "--batch-size", "4",
         "--micro-batch-sizes", "1,2", "--max-length", "64", "--out", str(tmp_path / "out"),
     )  # fmt: skip
+    stdout = " ".join(stdout.split())  # undo line wrapping
     assert "tiny-llama (LlamaForCausalLM" in stdout
     assert "sgd lr" in stdout  # SGD is the default with --model
     rows = read_metrics(tmp_path / "out")
@@ -200,6 +201,12 @@ def test_micro_batch_size_must_be_smaller_than_the_batch(tmp_path: Path) -> None
     code, _, stderr = run_demo("--batch-size", "4", "--micro-batch-sizes", "2,4")
     assert code == 2
     assert "--micro-batch-sizes 4" in stderr and "--batch-size 4" in stderr
+
+
+def test_unusable_device_is_refused_before_training(tmp_path: Path) -> None:
+    code, stdout, stderr = run_demo("--device", "no-such-device", "--out", str(tmp_path))
+    assert code == 2 and stdout == ""
+    assert "--device 'no-such-device'" in stderr and "--device cpu" in stderr
 
 
 def test_bad_micro_batch_list_is_a_usage_error() -> None:

@@ -6,6 +6,7 @@ import argparse
 import platform
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -47,8 +48,12 @@ def main(args: argparse.Namespace) -> int:
     sizes = args.micro_batch_sizes
     out = Path(args.out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
         device = torch.device(args.device)
+        torch.empty(0, device=device)  # an unavailable device fails here, not mid-run
+    except (AssertionError, RuntimeError) as exc:
+        return _fail(f"--device {args.device!r} is not usable here ({exc}); try --device cpu")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
         loaded = _load(args)
         corpus = read_corpus(args.steps * args.batch_size, seed=args.seed, encode=loaded.encode)
     except (OSError, RuntimeError, ValueError) as exc:
@@ -58,18 +63,23 @@ def main(args: argparse.Namespace) -> int:
         for batch in make_batches(corpus.rows, batch_size=args.batch_size, pad_id=loaded.pad_id)
     ]
     lengths = [len(row) for row in corpus.rows]
-    context = (
-        f"Python {platform.python_version()}, corpus {corpus.digest}: "
-        f"{len(corpus.rows)} stdlib docstrings from {corpus.files} files, {min(lengths)} to "
-        f"{max(lengths)} tokens a row (median {statistics.median(lengths):g}); "
-        f"{loaded.description}; {optimizer} lr {lr:g}, float32, batch {args.batch_size}."
+    sizes_text = ", ".join(map(str, sizes))
+    source = f"Python {platform.python_version()}, corpus {corpus.digest}"
+    setup = (
+        f"{loaded.description}; {optimizer} lr {lr:g}, float32; {len(batches)} steps of "
+        f"{args.batch_size} rows; naive and fullbatch at micro-batch sizes {sizes_text}."
     )
-    print(f"fullbatch demo: {context}")
-    print(
-        "Each step, every recipe's gradient is also taken at the full-batch weights (shadow "
-        "gradient)\nand compared with the full-batch gradient; drift = parameter distance "
-        "to the full batch.\n"
+    data = (
+        f"Data: {source} ({len(corpus.rows)} standard-library docstrings from {corpus.files} "
+        f"files, {min(lengths)} to {max(lengths)} tokens a row, median "
+        f"{statistics.median(lengths):g})."
     )
+    intro = (
+        f"fullbatch demo: {setup} {data} Each step, every recipe's gradient is also taken at "
+        "the full-batch weights (its shadow gradient) and compared with the full-batch "
+        "gradient there; drift = relative parameter distance to the full batch."
+    )
+    print("\n".join(textwrap.wrap(intro, 92)), end="\n\n")
     print(table_header(sizes))
     records: list[Record] = []
     every = max(1, args.steps // 10)
@@ -96,9 +106,9 @@ def main(args: argparse.Namespace) -> int:
             tqdm.write(table_row(step_records, sizes), file=sys.stdout)
     csv_path, png_path = out / "metrics.csv", out / "loss.png"
     write_csv(records, csv_path)
-    plot(records, sizes, png_path, subtitle=context, tolerance=TOLERANCE)
+    plot(records, sizes, png_path, subtitle=f"{setup} {data}", tolerance=TOLERANCE)
     verdict = judge(records, TOLERANCE)
     print()
-    print(verdict_text(verdict, f"Verdict ({context})"))
+    print(verdict_text(verdict, f"Verdict ({source}):"))
     print(f"Wrote {csv_path} and {png_path}.")
     return verdict.exit_code
