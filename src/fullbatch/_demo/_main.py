@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         "the full-batch weights (its shadow gradient) and compared with the full-batch "
         "gradient there; drift = relative parameter distance to the full batch."
     )
-    print("\n".join(textwrap.wrap(intro, 92)), end="\n\n")
+    print("\n".join(textwrap.wrap(intro, 92, break_on_hyphens=False)), end="\n\n")
     print(table_header(sizes))
     records: list[Record] = []
     every = max(1, args.steps // 10)

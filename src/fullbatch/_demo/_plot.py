@@ -188,5 +188,7 @@ def plot(
         fontsize=15,
         fontweight="bold",
     )
-    fig.supxlabel("\n".join(textwrap.wrap(subtitle, 230)), fontsize=9, color="#444444")
+    fig.supxlabel(
+        "\n".join(textwrap.wrap(subtitle, 230, break_on_hyphens=False)), fontsize=9, color="#444444"
+    )
     fig.savefig(path, dpi=110)

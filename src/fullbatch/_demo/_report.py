@@ -201,4 +201,7 @@ def verdict_text(verdict: Verdict, context: str) -> str:
             f"INCONCLUSIVE: a naive micro-batch size stayed below {v.tolerance:.0e}, so this "
             "data did not show the problem (did every micro-batch hold as many tokens?)."
         )
-    return "\n".join([context, *textwrap.wrap(body, 92), *textwrap.wrap(outcome, 92)])
+    lines = [context]
+    for paragraph in (body, outcome):
+        lines += textwrap.wrap(paragraph, 92, break_on_hyphens=False)
+    return "\n".join(lines)
