@@ -142,13 +142,6 @@ class Arm:
     optimizer: torch.optim.Optimizer
     _acc: fb.Accumulator | None = field(default=None, repr=False)
 
-    @property
-    def label(self) -> str:
-        """Short name for tables and legends, e.g. ``naive m=2``."""
-        if self.name in ("naive", "fullbatch"):
-            return f"{self.name} m={self.micro_batch_size}"
-        return self.name.replace("_", " ")
-
     def train(self, batch: Batch) -> Losses:
         """One optimizer step of this arm's recipe on ``batch``."""
         if self.name == "fullbatch":
