@@ -133,7 +133,7 @@ def _run_in_page(block: Block) -> None:
             exec(current.compiled(), state.namespace)
         except BaseException:
             state.failed = current.id
-            if current is not block:
+            if current.id != block.id:
                 pytest.fail(f"an earlier block of this page failed: {current.id}", pytrace=False)
             raise
 
