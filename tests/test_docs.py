@@ -227,3 +227,12 @@ def test_relative_links_resolve(page: Path) -> None:
         assert file.exists(), f"{page.name}: broken link {target}"
         if anchor and file.suffix == ".md":
             assert anchor in anchors(file), f"{page.name}: no heading #{anchor} in {file.name}"
+
+
+@pytest.mark.parametrize("page", PAGES[:-1], ids=[str(p.relative_to(ROOT)) for p in PAGES[:-1]])
+def test_python_examples_fit_the_line_length(page: Path) -> None:
+    """Examples follow the project's line length (100), so they read well and paste cleanly."""
+    for block in python_blocks(page):
+        lines = enumerate(block.code.splitlines(), block.line)
+        long = [number for number, line in lines if len(line) > 100]
+        assert not long, f"{page.name}: lines {long} are longer than 100 characters"
