@@ -27,7 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+DOC_PAGES = sorted(DOCS.glob("*.md"))
+PAGES = [*DOC_PAGES, ROOT / "README.md"]
 TAGS = {"no-run", "torchrun"}
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 TORCHRUN_TIMEOUT = 120
@@ -194,9 +195,12 @@ def test_fences_are_known(page: Path) -> None:
 
 
 def test_docs_pages_exist() -> None:
-    names = {p.name for p in DOCS.glob("*.md")}
-    expected = {"index.md", "quickstart.md", "concepts.md", "distributed.md", "migrating.md"}
-    assert expected | {"faq.md"} <= names
+    names = {p.name for p in DOC_PAGES}
+    pages = ("index", "quickstart", "concepts", "distributed", "migrating", "faq")
+    assert {f"{name}.md" for name in pages} <= names
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    for name in pages[1:]:
+        assert f"]({name}.md)" in index, f"index.md does not link {name}.md"
 
 
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
@@ -229,7 +233,7 @@ def test_relative_links_resolve(page: Path) -> None:
             assert anchor in anchors(file), f"{page.name}: no heading #{anchor} in {file.name}"
 
 
-@pytest.mark.parametrize("page", PAGES[:-1], ids=[str(p.relative_to(ROOT)) for p in PAGES[:-1]])
+@pytest.mark.parametrize("page", DOC_PAGES, ids=[str(p.relative_to(ROOT)) for p in DOC_PAGES])
 def test_python_examples_fit_the_line_length(page: Path) -> None:
     """Examples follow the project's line length (100), so they read well and paste cleanly."""
     for block in python_blocks(page):
