@@ -14,6 +14,7 @@ Fences, by info string:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -122,6 +123,10 @@ def _run_in_page(block: Block) -> None:
     runnable = [b for b in python_blocks(block.page) if b.mode == "run"]
     state = _STATES.setdefault(block.page, PageState({"__name__": "__docs__"}))
     index = runnable.index(block)
+    if importlib.util.find_spec("transformers") is None and any(
+        "from transformers import" in b.code for b in runnable[: index + 1]
+    ):
+        pytest.skip("needs transformers (pip install -e '.[hf]')")
     if (
         state.failed is not None
         and runnable.index(next(b for b in runnable if b.id == state.failed)) < index
