@@ -414,3 +414,19 @@ def foreign_parameter(rank: int, world: int) -> None:
     temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
     opt = make_optimizer([*model.parameters(), temperature])
     fb.Accumulator(model, opt, micro_batches=2)
+
+
+def split_padding(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 with micro_batch_size=2: rank 0 holds 8 rows, rank 1 holds 5 (one window each)."""
+    batch = micro_batch(rank, 0, [8, 5][rank])
+    model = wrap(make_model(), "fsdp")
+    opt = make_optimizer(model.parameters())
+    seen = []
+    with fb.Accumulator(model, opt, micro_batch_size=2) as acc:
+        for window in acc.windows([batch]):
+            for micro in window:
+                seen.append((window.is_padding, micro["x"].shape[0]))
+                loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+                window.backward(loss_sum, n)
+            window.step()
+    return {"seen": seen, "params": _full_params(model)}

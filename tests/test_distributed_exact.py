@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import _dist_cases as cases
 from _dist import run_ranks, values
 from _dist_cases import reference_for, train
 
@@ -83,3 +84,14 @@ def test_rank_without_data_and_no_padding_raises_everywhere(wrapper: str) -> Non
     for res in results:
         assert not res.ok and res.error_type == "ValueError", res
         assert "padding_micro_batch" in res.error
+
+
+def test_split_windows_pad_with_one_micro_batch_not_the_whole_batch() -> None:
+    results = values(run_ranks(cases.split_padding, 2))
+    assert results[0]["seen"] == [(False, 2)] * 4
+    assert results[1]["seen"] == [(False, 2), (False, 2), (False, 1), (True, 1)]
+    window = [cases.micro_batch(0, 0, 8), cases.micro_batch(1, 0, 5)]
+    ref = cases.reference_run([window])[0]
+    for res in results:
+        err = ((res["params"] - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-10, err

@@ -232,6 +232,8 @@ class Accumulator:
             micros = split_rows(item, self._micro_batch_size) if ok else []
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
+            if micros:  # pad with one micro-batch of this rank, never with a whole window
+                stream.last = micros[-1]
             return Feed(micros)
         feed = Feed([], stream, self._micro_batches or 0)
         if (

@@ -44,6 +44,5 @@ class StepStats:
         if self.skipped:
             return f"step {self.steps}: skipped ({self.reason})"
         norm = "nan" if math.isnan(self.grad_norm) else f"{self.grad_norm:.4g}"
-        return (
-            f"step {self.steps}: loss {self.loss:.4f} over {self.count:g} items, grad norm {norm}"
-        )
+        items = "from shares" if math.isnan(self.count) else f"over {self.count:g} items"
+        return f"step {self.steps}: loss {self.loss:.4f} {items}, grad norm {norm}"
