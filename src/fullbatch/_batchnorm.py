@@ -5,7 +5,9 @@ statistics (so the *gradient* is not the full batch's: fullbatch cannot change t
 updates its running statistics once per micro-batch (so after a window they differ from one
 full-batch update). ``batchnorm="window"`` fixes the second: it records each micro-batch's
 input statistics, and at the step sets the running statistics to one update with the
-statistics of the whole window, as a full-batch forward would have done.
+statistics of the whole window, as a full-batch forward would have done. This is exact for
+a layer whose input does not come through another train-mode BatchNorm: a later one sees
+inputs normalized per micro-batch, which no bookkeeping of statistics can undo.
 """
 
 from __future__ import annotations
