@@ -187,7 +187,6 @@ class Accumulator:
         if batchnorm is None:
             warn_batchnorm(model)
         self._loss_scale: float | None = None
-        self._window: Window | None = None
         self._closed = False
         self.steps = 0
         """Optimizer steps taken so far."""
@@ -216,7 +215,6 @@ class Accumulator:
             if self._batchnorm is not None:
                 self._batchnorm.start()
             window = Window(self, feed, index=index, loss_scale=loss_scale, totals=totals)
-            self._window = window
             yield window
             if not window._closed:
                 self._sync.end()
@@ -255,9 +253,8 @@ class Accumulator:
         """
         real = feed.real
         grads = any(p.grad is not None for p in self._params)
-        expected = len(real) if (self._micro_batch_size or not real) else self._micro_batches or 1
-        if self._sync.equal_micro_batches or self._partial_window == "drop":
-            expected = len(real)
+        # The first window's c comes from an estimate of its items (all ranks together).
+        expected = len(real) if feed.read_all else self._micro_batches or 1
         hint = estimate_items(real[0]) * expected if real and self._loss_scale is None else 0.0
         can_pad = self._padding_micro_batch is not None or stream.last is not None
         row = [

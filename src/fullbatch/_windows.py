@@ -72,6 +72,11 @@ class Feed:
             pass
 
     @property
+    def read_all(self) -> bool:
+        """Every micro-batch of the window has been read from the loader."""
+        return self._stream is None or self._budget == 0
+
+    @property
     def real(self) -> list[Any]:
         """The real micro-batches read ahead and not yet handed out."""
         return list(self._items)
