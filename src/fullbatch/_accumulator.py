@@ -11,6 +11,7 @@ from torch import nn
 
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
+from fullbatch._options import check_options, check_window_size, trained_params
 from fullbatch._split import split_rows
 from fullbatch._stats import StepStats
 from fullbatch._step import discard_window, step_window
@@ -22,39 +23,6 @@ __all__ = ["Accumulator"]
 
 # Slots of the window-start all-gather: one row per rank.
 _REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return value
-
-
-def _trained_params(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, distributed: bool
-) -> list[nn.Parameter]:
-    """The parameters whose gradients fullbatch normalizes: the model's and the optimizer's.
-
-    A parameter the optimizer steps but the model does not own (a learnable temperature, a
-    loss weight) is normalized like the rest; under DDP/FSDP2 it is refused, since the
-    wrapper would not reduce its gradient over ranks.
-    """
-    params = {id(p): p for p in model.parameters() if p.requires_grad}
-    owned = set(params)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in owned:
-                if distributed:
-                    raise ValueError(
-                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that the "
-                        "wrapped model does not own; DDP/FSDP2 would not reduce its gradient "
-                        "over ranks. Register it on the model (e.g. as an nn.Parameter "
-                        "attribute of a submodule) before wrapping."
-                    )
-                params[id(p)] = p
-    if not params:
-        raise ValueError("the model has no parameter with requires_grad=True: nothing to train.")
-    return list(params.values())
 
 
 class Accumulator:
@@ -122,48 +90,15 @@ class Accumulator:
         fsdp_sync: str = "window",
         grad_divisor: float | None = None,
     ) -> None:
-        if (micro_batches is None) == (micro_batch_size is None):
-            raise ValueError(
-                "give exactly one of micro_batches=K (the loader yields micro-batches, K per "
-                "window) or micro_batch_size=M (each loader item is a window, split into rows "
-                f"of M); got micro_batches={micro_batches!r}, "
-                f"micro_batch_size={micro_batch_size!r}."
-            )
-        if micro_batch_size == "auto":
-            raise NotImplementedError(
-                "micro_batch_size='auto' needs an entry point where fullbatch calls your "
-                "per-micro-batch function (window.run(fn)), because Python does not hand an "
-                "exception raised in a `for` body back to the iterator; window.run is not "
-                "available yet. Give an integer micro_batch_size."
-            )
-        self._micro_batches = (
-            None if micro_batches is None else _positive_int("micro_batches", micro_batches)
+        self._micro_batches, self._micro_batch_size = check_window_size(
+            micro_batches, micro_batch_size, partial_window
         )
-        self._micro_batch_size = (
-            None
-            if micro_batch_size is None
-            else _positive_int("micro_batch_size", micro_batch_size)
+        check_options(
+            max_grad_norm=max_grad_norm,
+            counts=counts,
+            batchnorm=batchnorm,
+            padding_micro_batch=padding_micro_batch,
         )
-        if partial_window not in ("step", "drop"):
-            raise ValueError(f"partial_window must be 'step' or 'drop', got {partial_window!r}.")
-        if partial_window == "drop" and micro_batches is None:
-            raise ValueError(
-                "partial_window='drop' works with micro_batches=K only: with micro_batch_size "
-                "every loader item is a whole window. Drop short batches in the loader instead "
-                "(DataLoader(drop_last=True))."
-            )
-        if max_grad_norm is not None and not (0 < float(max_grad_norm) < float("inf")):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
-        if counts is not None:
-            if not isinstance(counts, Mapping) or not all(callable(f) for f in counts.values()):
-                raise ValueError(
-                    f"counts must map names to functions of a micro-batch, got {counts!r}; "
-                    "e.g. counts={'tokens': lambda m: fb.count_tokens(m['labels'])}."
-                )
-        if batchnorm not in (None, "window"):
-            raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}.")
-        if padding_micro_batch is not None and not callable(padding_micro_batch):
-            raise ValueError("padding_micro_batch must be a callable returning a micro-batch.")
         self.model = model
         self.optimizer = optimizer
         self._scheduler = scheduler
@@ -179,7 +114,7 @@ class Accumulator:
             fsdp_sync=fsdp_sync,
             grad_divisor=grad_divisor,
         )
-        self._params = _trained_params(model, optimizer, distributed=self._sync.group is not None)
+        self._params = trained_params(model, optimizer, distributed=self._sync.group is not None)
         self._stat_device = (
             self._params[0].device if self._sync.group is None else self._sync.device
         )

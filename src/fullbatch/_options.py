@@ -1,0 +1,93 @@
+"""Checking the Accumulator's arguments: every bad value is refused before anything changes,
+with the value received and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["check_options", "check_window_size", "trained_params"]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def trained_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, distributed: bool
+) -> list[nn.Parameter]:
+    """The parameters whose gradients fullbatch normalizes: the model's and the optimizer's.
+
+    A parameter the optimizer steps but the model does not own (a learnable temperature, a
+    loss weight) is normalized like the rest; under DDP/FSDP2 it is refused, since the
+    wrapper would not reduce its gradient over ranks.
+    """
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    owned = set(params)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in owned:
+                if distributed:
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that the "
+                        "wrapped model does not own; DDP/FSDP2 would not reduce its gradient "
+                        "over ranks. Register it on the model (e.g. as an nn.Parameter "
+                        "attribute of a submodule) before wrapping."
+                    )
+                params[id(p)] = p
+    if not params:
+        raise ValueError("the model has no parameter with requires_grad=True: nothing to train.")
+    return list(params.values())
+
+
+def check_window_size(
+    micro_batches: Any, micro_batch_size: Any, partial_window: str
+) -> tuple[int | None, int | None]:
+    """Exactly one of the two window sizes, as positive integers; the tail policy with it."""
+    if (micro_batches is None) == (micro_batch_size is None):
+        raise ValueError(
+            "give exactly one of micro_batches=K (the loader yields micro-batches, K per "
+            "window) or micro_batch_size=M (each loader item is a window, split into rows "
+            f"of M); got micro_batches={micro_batches!r}, "
+            f"micro_batch_size={micro_batch_size!r}."
+        )
+    if micro_batch_size == "auto":
+        raise NotImplementedError(
+            "micro_batch_size='auto' needs an entry point where fullbatch calls your "
+            "per-micro-batch function (window.run(fn)), because Python does not hand an "
+            "exception raised in a `for` body back to the iterator; window.run is not "
+            "available yet. Give an integer micro_batch_size."
+        )
+    if partial_window not in ("step", "drop"):
+        raise ValueError(f"partial_window must be 'step' or 'drop', got {partial_window!r}.")
+    if partial_window == "drop" and micro_batches is None:
+        raise ValueError(
+            "partial_window='drop' works with micro_batches=K only: with micro_batch_size "
+            "every loader item is a whole window. Drop short batches in the loader instead "
+            "(DataLoader(drop_last=True))."
+        )
+    if micro_batches is not None:
+        return _positive_int("micro_batches", micro_batches), None
+    return None, _positive_int("micro_batch_size", micro_batch_size)
+
+
+def check_options(
+    *, max_grad_norm: Any, counts: Any, batchnorm: Any, padding_micro_batch: Any
+) -> None:
+    if max_grad_norm is not None and not (0 < float(max_grad_norm) < float("inf")):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}.")
+    if counts is not None:
+        if not isinstance(counts, Mapping) or not all(callable(f) for f in counts.values()):
+            raise ValueError(
+                f"counts must map names to functions of a micro-batch, got {counts!r}; "
+                "e.g. counts={'tokens': lambda m: fb.count_tokens(m['labels'])}."
+            )
+    if batchnorm not in (None, "window"):
+        raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}.")
+    if padding_micro_batch is not None and not callable(padding_micro_batch):
+        raise ValueError("padding_micro_batch must be a callable returning a micro-batch.")
