@@ -327,7 +327,7 @@ def test_gradient_recorder_records_without_stepping() -> None:
     recorder = GradientRecorder([weight])
     (weight * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
     recorder.step()
-    assert recorder.grads[0].tolist() == [1.0, 2.0, 3.0]
+    assert recorder.recorded[0].tolist() == [1.0, 2.0, 3.0]
     assert weight.tolist() == [1.0, 1.0, 1.0]
 
 

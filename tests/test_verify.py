@@ -329,13 +329,13 @@ def test_public_names() -> None:
 def test_a_wrong_fullbatch_gradient_is_called_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     from fullbatch import _verify_arms
 
-    record = _verify_arms._GradRecorder.step
+    record = _verify_arms.GradientRecorder.step
 
     def off_by_a_little(self, closure=None):
         record(self)
         self.recorded = [None if g is None else g * 1.001 for g in self.recorded]
 
-    monkeypatch.setattr(_verify_arms._GradRecorder, "step", off_by_a_little)
+    monkeypatch.setattr(_verify_arms.GradientRecorder, "step", off_by_a_little)
     report = verify(_mlp(), _classification(), _sum_loss, micro_batch_size=3)
     assert not report.passed
     assert len(report.diagnosis) == 1

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fullbatch._accumulator import Accumulator
+from fullbatch._recorder import GradientRecorder
 
 __all__ = [
     "ArmResult",
@@ -157,22 +158,6 @@ def naive_arm(
     return ArmResult(_take_grads(params), total, count)
 
 
-class _GradRecorder(torch.optim.Optimizer):
-    """An optimizer whose step copies the gradients it is given instead of updating."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__(params, defaults={"lr": 0.0})
-        self.recorded: list[torch.Tensor | None] | None = None
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.recorded = [
-            None if p.grad is None else p.grad.detach().clone()
-            for group in self.param_groups
-            for p in group["params"]
-        ]
-
-
 def fullbatch_arm(
     model: nn.Module,
     params: list[tuple[str, nn.Parameter]],
@@ -181,7 +166,7 @@ def fullbatch_arm(
     micro_batch_size: int,
 ) -> ArmResult:
     """One window of the real ``fb.Accumulator`` over ``batch``; the step records gradients."""
-    recorder = _GradRecorder([p for _, p in params])
+    recorder = GradientRecorder([p for _, p in params])
     stats = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

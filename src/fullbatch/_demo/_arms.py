@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fullbatch as fb
+from fullbatch._recorder import GradientRecorder
 
 __all__ = [
     "Arm",
@@ -44,22 +45,6 @@ class Losses:
 
     true: float
     reported: float
-
-
-class GradientRecorder(torch.optim.Optimizer):
-    """An optimizer whose ``step()`` keeps a copy of the gradients and changes nothing."""
-
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        super().__init__(list(params), defaults={"lr": 0.0})
-        self.grads: list[torch.Tensor] = []
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        self.grads = [
-            torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-            for group in self.param_groups
-            for p in group["params"]
-        ]
 
 
 def split_rows(batch: Batch, size: int) -> list[Batch]:
@@ -163,7 +148,10 @@ class Arm:
                 acc.close()
         else:
             self._run(shadow, recorder, batch)
-        return recorder.grads
+        return [
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(shadow.parameters(), recorder.recorded or [], strict=True)
+        ]
 
     def _run(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch
