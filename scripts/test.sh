@@ -4,4 +4,5 @@
 source "$(dirname "$0")/_env.sh" test
 "$PY" -m ruff check src tests examples benchmarks
 "$PY" -m ruff format --check src tests examples benchmarks
+"$PY" -m mypy
 "$PY" -m pytest -q --durations=15 "$@"

@@ -4,7 +4,7 @@ order at the step); the training loop stays the user's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -181,7 +181,7 @@ class Accumulator:
 
     def _start_window(
         self, feed: Feed, stream: Stream
-    ) -> tuple[float, dict[str, float] | None] | bool | None:
+    ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
         """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
         Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.

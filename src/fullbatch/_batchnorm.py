@@ -29,6 +29,13 @@ def _batchnorms(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._Batch
     ]
 
 
+def _stats(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """running_mean, running_var, num_batches_tracked (present: track_running_stats is on)."""
+    mean, var, tracked = m.running_mean, m.running_var, m.num_batches_tracked
+    assert mean is not None and var is not None and tracked is not None
+    return mean, var, tracked
+
+
 def warn_batchnorm(model: nn.Module) -> None:
     names = [name for name, m in _batchnorms(model) if m.training]
     if names:
@@ -74,7 +81,7 @@ class WindowBatchNorm:
     def __init__(self, model: nn.Module) -> None:
         self._layers = _batchnorms(model)
         self._moments: dict[str, _Moments] = {}
-        self._saved: dict[str, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+        self._saved: dict[str, tuple[torch.Tensor, ...]] = {}
         self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in self._layers]
 
     def _hook(self, name: str) -> Any:
@@ -86,11 +93,7 @@ class WindowBatchNorm:
 
     def start(self) -> None:
         self._moments = {}
-        self._saved = {
-            name: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
-            for name, m in self._layers
-            if m.running_mean is not None and m.running_var is not None
-        }
+        self._saved = {name: tuple(b.clone() for b in _stats(m)) for name, m in self._layers}
 
     def finish(self, apply: bool) -> None:
         """Restore the window-start statistics, then (if ``apply``) make one window update."""
@@ -98,20 +101,21 @@ class WindowBatchNorm:
             if name not in self._saved:
                 continue
             mean0, var0, tracked0 = self._saved[name]
+            mean, var, tracked = _stats(m)
             with torch.no_grad():
-                m.running_mean.copy_(mean0)
-                m.running_var.copy_(var0)
-                m.num_batches_tracked.copy_(tracked0)
+                mean.copy_(mean0)
+                var.copy_(var0)
+                tracked.copy_(tracked0)
                 moments = self._moments.get(name)
                 if not apply or moments is None or moments.mean is None or moments.m2 is None:
                     continue
-                m.num_batches_tracked.add_(1)
+                tracked.add_(1)
                 momentum = m.momentum
                 if momentum is None:  # cumulative moving average
-                    momentum = 1.0 / float(m.num_batches_tracked)
+                    momentum = 1.0 / float(tracked)
                 unbiased = moments.m2 / max(moments.n - 1.0, 1.0)
-                m.running_mean.mul_(1 - momentum).add_(momentum * moments.mean.to(mean0.dtype))
-                m.running_var.mul_(1 - momentum).add_(momentum * unbiased.to(var0.dtype))
+                mean.mul_(1 - momentum).add_(momentum * moments.mean.to(mean0.dtype))
+                var.mul_(1 - momentum).add_(momentum * unbiased.to(var0.dtype))
         self._saved = {}
         self._moments = {}
 

@@ -38,7 +38,7 @@ def _reduce_stats(
         if window._loss_sum is not None:
             parts[_LOSS] = parts[_LOSS] + window._loss_sum.to(device, dtype)
         parts[_COUNT] = parts[_COUNT] + window._count_py
-        if window._count_t is not None:
+        if window._count_t is not None and window._count_bad is not None:
             parts[_COUNT] = parts[_COUNT] + window._count_t.to(device, dtype)
             parts[_BAD_COUNT] = parts[_BAD_COUNT] + window._count_bad.to(device, dtype)
         if acc._sync.sharded:

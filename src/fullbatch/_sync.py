@@ -38,7 +38,9 @@ class Sync:
     reduce_at_step = False  # the library all-reduces gradients at step() (ddp_sync="step")
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        # Any: the wrapper's own attributes (DDP's flags, FSDP2's setters) are not part of
+        # nn.Module's static interface.
+        self.model: Any = model
 
     @property
     def world(self) -> int:

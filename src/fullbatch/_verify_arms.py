@@ -223,7 +223,11 @@ def compare(reference: Grads, got: Grads) -> tuple[float, str | None, float]:
         new = got.get(name)
         if ref is None and new is None:
             continue
-        ref64 = torch.zeros_like(new, dtype=torch.float64) if ref is None else ref.double()
+        if ref is None:
+            assert new is not None
+            ref64 = torch.zeros_like(new, dtype=torch.float64)
+        else:
+            ref64 = ref.double()
         new64 = torch.zeros_like(ref64) if new is None else new.double()
         diff = (new64 - ref64).abs()
         max_diff = float(diff.max()) if diff.numel() else 0.0

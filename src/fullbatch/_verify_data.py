@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -35,7 +35,7 @@ class Example:
     labels: list[int] | None = None
 
 
-def _int_list(value: Any) -> bool:
+def _int_list(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     )

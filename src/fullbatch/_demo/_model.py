@@ -59,7 +59,8 @@ def tiny_llama(*, seed: int, max_length: int, dtype: torch.dtype) -> LoadedModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.to(dtype).eval()
+    # transformers decorates .to in a way type checkers misread; it is nn.Module.to.
+    model.to(dtype=dtype).eval()  # type: ignore[call-arg]
     count = sum(p.numel() for p in model.parameters())
     return LoadedModel(
         model=model,
@@ -103,7 +104,8 @@ def load_local(path: str | Path, *, max_length: int, dtype: torch.dtype) -> Load
             f"could not load a causal LM and its tokenizer from {str(path)!r}: {first_line}; "
             "save both there with model.save_pretrained(dir) and tokenizer.save_pretrained(dir)"
         ) from exc
-    model.to(dtype).eval()
+    # transformers decorates .to in a way type checkers misread; it is nn.Module.to.
+    model.to(dtype=dtype).eval()  # type: ignore[call-arg]
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
