@@ -63,20 +63,20 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
     grads = [p.grad for p in acc._params if p.grad is not None]
     loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(acc, window, grads)
     if discarded:
-        acc._clear_grads()
+        _abandon(acc)
         raise RuntimeError(
             f"window {window.index} was discarded on {int(discarded)} rank(s) but stepped on "
             "this one; window.discard() is collective: call it on every rank."
         )
     if bad:
-        acc._clear_grads()
+        _abandon(acc)
         raise ValueError(
             f"a count passed to window.backward in window {window.index} was negative or "
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
     if shares and counted:
-        acc._clear_grads()
+        _abandon(acc)
         raise ValueError(
             f"in window {window.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
@@ -141,11 +141,16 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
     )
 
 
-def discard_window(acc: Accumulator, window: Window) -> None:
+def _abandon(acc: Accumulator) -> None:
+    """End a window without a step: no gradients, sync flags and BatchNorm statistics back."""
     acc._sync.end()
     acc._clear_grads()
     acc._sync.finish_window()
     if acc._batchnorm is not None:
         acc._batchnorm.finish(apply=False)
+
+
+def discard_window(acc: Accumulator, window: Window) -> None:
+    _abandon(acc)
     if acc._sync.group is not None:
         _reduce_stats(acc, None, [])  # pairs with the others' step or discard
