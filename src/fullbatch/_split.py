@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["count_rows", "split_rows"]
+__all__ = ["count_rows", "split_rows", "take_rows"]
 
 
 def _leaves(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
@@ -55,19 +55,24 @@ def count_rows(batch: Any) -> int:
     return rows
 
 
-def _take(batch: Any, start: int, stop: int) -> Any:
+def take_rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every tensor leaf with a dimension (views); other leaves as is.
+
+    >>> take_rows({"x": torch.arange(4), "t": torch.tensor(2.0)}, 1, 3)["x"].tolist()
+    [1, 2]
+    """
     if isinstance(batch, torch.Tensor):
         return batch if batch.dim() == 0 else batch[start:stop]
     if isinstance(batch, Mapping):
-        taken = {k: _take(v, start, stop) for k, v in batch.items()}
+        taken = {k: take_rows(v, start, stop) for k, v in batch.items()}
         try:
             return type(batch)(taken)  # type: ignore[call-arg]
         except TypeError:  # a Mapping that cannot be built from a dict
             return taken
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(_take(v, start, stop) for v in batch))
+        return type(batch)(*(take_rows(v, start, stop) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_take(v, start, stop) for v in batch)
+        return type(batch)(take_rows(v, start, stop) for v in batch)
     return batch
 
 
@@ -83,5 +88,6 @@ def split_rows(batch: Any, micro_batch_size: int) -> list[Any]:
     """
     rows = count_rows(batch)
     return [
-        _take(batch, i, min(i + micro_batch_size, rows)) for i in range(0, rows, micro_batch_size)
+        take_rows(batch, i, min(i + micro_batch_size, rows))
+        for i in range(0, rows, micro_batch_size)
     ]

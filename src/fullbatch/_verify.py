@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._split import count_rows
 from fullbatch._verify_additivity import check_additivity
 from fullbatch._verify_arms import (
     ArmResult,
     LossFn,
     compare,
-    count_rows,
     full_batch_arm,
     fullbatch_arm,
     grad_norm,

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._verify_arms import LossFn, call_loss, count_rows, take_rows
+from fullbatch._split import count_rows, take_rows
+from fullbatch._verify_arms import LossFn, call_loss
 from fullbatch._verify_report import AdditivityCheck
 from fullbatch._verify_state import batchnorm_modules
 
@@ -40,8 +41,8 @@ def _measure(model: nn.Module, batch: Any, loss_fn: LossFn, tol: float) -> Addit
     half = rows // 2
     with torch.no_grad():
         whole = call_loss(loss_fn, model, batch)
-        first = call_loss(loss_fn, model, take_rows(batch, 0, half, rows))
-        second = call_loss(loss_fn, model, take_rows(batch, half, rows, rows))
+        first = call_loss(loss_fn, model, take_rows(batch, 0, half))
+        second = call_loss(loss_fn, model, take_rows(batch, half, rows))
     s, n = float(whole[0]), whole[1]
     (s1, n1), (s2, n2) = (float(first[0]), first[1]), (float(second[0]), second[1])
     scale = max(abs(s), abs(s1) + abs(s2))

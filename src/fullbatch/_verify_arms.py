@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,18 +18,17 @@ from torch import nn
 
 from fullbatch._accumulator import Accumulator
 from fullbatch._recorder import GradientRecorder
+from fullbatch._split import count_rows, take_rows
 
 __all__ = [
     "ArmResult",
     "LossFn",
     "compare",
-    "count_rows",
     "full_batch_arm",
     "fullbatch_arm",
     "grad_norm",
     "naive_arm",
     "relative",
-    "take_rows",
 ]
 
 Grads = dict[str, torch.Tensor | None]
@@ -46,46 +45,6 @@ class ArmResult:
     reported_grad_norm: float | None = None
     skipped_reason: str | None = None
     warnings: list[str] = field(default_factory=list)
-
-
-def count_rows(batch: Any) -> int:
-    """Rows of a batch: the first dimension of its first tensor with at least one dimension.
-
-    >>> count_rows({"x": torch.zeros(3, 2), "scale": 0.5})
-    3
-    """
-    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
-        return int(batch.shape[0])
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            try:
-                return count_rows(value)
-            except ValueError:
-                continue
-    raise ValueError(
-        f"batch of type {type(batch).__name__} holds no tensor with a row dimension: pass a "
-        "tensor or a dict of tensors whose first dimension is the row count."
-    )
-
-
-def take_rows(batch: Any, start: int, stop: int, rows: int, key: str = "batch") -> Any:
-    """Rows ``start:stop`` of every tensor whose first dimension is ``rows``; others unchanged.
-
-    >>> take_rows({"x": torch.arange(4), "t": torch.tensor(2.0)}, 1, 3, 4)["x"].tolist()
-    [1, 2]
-    """
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return batch
-        if batch.shape[0] != rows:
-            raise ValueError(
-                f"{key} has shape {tuple(batch.shape)} but the batch has {rows} rows: every "
-                "tensor needs the row count as its first dimension (or be 0-dim)."
-            )
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return {k: take_rows(v, start, stop, rows, f"{key}[{k!r}]") for k, v in batch.items()}
-    return batch
 
 
 def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
@@ -149,7 +108,7 @@ def naive_arm(
     starts = range(0, rows, micro_batch_size)
     total, count = 0.0, 0.0
     for start in starts:
-        micro = take_rows(batch, start, start + micro_batch_size, rows)
+        micro = take_rows(batch, start, start + micro_batch_size)
         loss, n = call_loss(loss_fn, model, micro)
         share = (loss / n if n else loss * math.nan) / len(starts)
         share.backward()

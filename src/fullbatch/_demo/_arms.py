@@ -16,6 +16,7 @@ import torch
 
 import fullbatch as fb
 from fullbatch._recorder import GradientRecorder
+from fullbatch._split import split_rows
 
 __all__ = [
     "Arm",
@@ -28,7 +29,6 @@ __all__ = [
     "naive_step",
     "param_distance",
     "relative_error",
-    "split_rows",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -45,12 +45,6 @@ class Losses:
 
     true: float
     reported: float
-
-
-def split_rows(batch: Batch, size: int) -> list[Batch]:
-    """The batch cut into consecutive groups of ``size`` rows (the last may be smaller)."""
-    rows = batch["input_ids"].shape[0]
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
 def _loss_sum(model: torch.nn.Module, micro: Batch) -> tuple[torch.Tensor, torch.Tensor]:
