@@ -114,6 +114,8 @@ def fit(
                 loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
                 window.backward(loss_sum, n)
             out.append((window.step(), _full_params(model)))
+            # The model's own sync flag is back after every window (DDP's default: True).
+            assert getattr(model, "require_backward_grad_sync", True) is True
     return out
 
 
