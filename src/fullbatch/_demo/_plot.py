@@ -148,14 +148,7 @@ def plot(
         curve.plot(*_series(records, name, m, "true_loss"), **{**style, "lw": 0.9})
     _decorate(curve, "Training loss (context)", "true loss (token mean, nats)")
 
-    for name, m, style in styles:
-        grads.plot(*_series(records, name, m, "shadow_grad_error"), **style)
-    grads.plot(
-        *_series(records, "permuted_rows", None, "shadow_grad_error"),
-        color=_ROUNDING,
-        lw=1.2,
-        label="full batch, rows permuted",
-    )
+    _against_rounding(grads, records, styles, "shadow_grad_error")
     grads.axhline(
         tolerance, color=_LIMIT, ls=(0, (1, 2)), lw=1.3, label=f"tolerance {tolerance:.0e}"
     )
@@ -164,14 +157,7 @@ def plot(
     )
     grads.legend(fontsize=7.5, loc="center right", framealpha=0.85)
 
-    for name, m, style in styles:
-        drift.plot(*_series(records, name, m, "param_distance"), **style)
-    drift.plot(
-        *_series(records, "permuted_rows", None, "param_distance"),
-        color=_ROUNDING,
-        lw=1.2,
-        label="full batch, rows permuted",
-    )
+    _against_rounding(drift, records, styles, "param_distance")
     _decorate(drift, "Distance from the full-batch weights", "‖θ − θ_full‖ / ‖θ_full‖", log=True)
 
     logs.axhline(0.0, color=_FULL, lw=1.0)
@@ -192,3 +178,15 @@ def plot(
         "\n".join(textwrap.wrap(subtitle, 230, break_on_hyphens=False)), fontsize=9, color="#444444"
     )
     fig.savefig(path, dpi=110)
+
+
+def _against_rounding(ax: Any, records: Any, styles: Any, column: str) -> None:
+    """Every accumulating arm's ``column``, with the rows-permuted full batch as the band."""
+    for name, m, style in styles:
+        ax.plot(*_series(records, name, m, column), **style)
+    ax.plot(
+        *_series(records, "permuted_rows", None, column),
+        color=_ROUNDING,
+        lw=1.2,
+        label="full batch, rows permuted",
+    )
