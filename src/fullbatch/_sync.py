@@ -41,6 +41,20 @@ class Sync:
         # Any: the wrapper's own attributes (DDP's flags, FSDP2's setters) are not part of
         # nn.Module's static interface.
         self.model: Any = model
+        self._last_work: Any = None
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective and keep its handle until the next one.
+
+        Since torch 2.10 a C++ owner that drops a tensor with a Python object takes the GIL.
+        If gloo's worker thread held the last reference to a finished collective, it would
+        take the GIL to free its tensors; when that happens while the interpreter is shutting
+        down, the thread is killed inside a noexcept destructor and the process aborts
+        ("terminate called without an active exception", pytorch#190489). Holding the
+        handle here makes this thread, which has the GIL, the one that frees it.
+        """
+        work.wait()
+        self._last_work = work
 
     @property
     def world(self) -> int:
@@ -67,7 +81,7 @@ class Sync:
         if self.group is None:
             return tensor
         moved = tensor.to(self.device)
-        dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group)
+        self._wait(dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return moved.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -78,7 +92,7 @@ class Sync:
         out = torch.empty(self.world * moved.numel(), dtype=moved.dtype, device=moved.device)
         # all_gather_single is the newer name of all_gather_into_tensor (torch >= 2.10).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, moved.reshape(-1), group=self.group)
+        self._wait(gather(out, moved.reshape(-1), group=self.group, async_op=True))
         return out.view(self.world, *moved.shape).to(tensor.device)
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
@@ -148,7 +162,7 @@ class _DDPSync(Sync):
 
     def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        self._wait(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
