@@ -73,14 +73,25 @@ def test_batchnorm_without_option_warns() -> None:
         fb.Accumulator(model, opt, micro_batch_size=4)
 
 
-def test_no_warning_in_eval_mode_or_with_window_option() -> None:
+def test_window_option_keeps_warning_that_the_gradient_is_not_exact() -> None:
+    """batchnorm='window' fixes running statistics only: the gradient warning stays."""
     model = make("mlp", 0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"gradient is NOT the full batch's") as caught:
+        fb.Accumulator(model, opt, micro_batch_size=4, batchnorm="window").close()
+    text = str(caught[0].message)
+    assert "not pass through another train-mode BatchNorm" in text
+    assert "the stem alone" in text
+
+
+def test_no_warning_in_eval_mode() -> None:
+    model = make("mlp", 0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fb.Accumulator(model, opt, micro_batch_size=4, batchnorm="window").close()
-        model.eval()
         fb.Accumulator(model, opt, micro_batch_size=4).close()
+        fb.Accumulator(model, opt, micro_batch_size=4, batchnorm="window").close()
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

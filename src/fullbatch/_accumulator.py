@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
+from fullbatch._guards import LoopGuard
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_window_size, trained_params
 from fullbatch._split import split_rows
 from fullbatch._stats import StepStats
-from fullbatch._step import discard_window, step_window
+from fullbatch._step import abandon_window, discard_window, step_window
 from fullbatch._sync import make_sync
 from fullbatch._window import Window
-from fullbatch._windows import Feed, Stream
+from fullbatch._windows import Feed, Stream, Windows
 
 __all__ = ["Accumulator"]
 
@@ -119,27 +120,45 @@ class Accumulator:
             self._params[0].device if self._sync.group is None else self._sync.device
         )
         self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
-        if batchnorm is None:
-            warn_batchnorm(model)
+        warn_batchnorm(model, window_statistics=batchnorm == "window")
+        self._guard = LoopGuard(optimizer, scheduler, self._params)
         self._loss_scale: float | None = None
         self._closed = False
         self.steps = 0
         """Optimizer steps taken so far."""
+        self.skipped_windows = 0
+        """Windows skipped so far (zero items, non-finite loss or gradient)."""
 
     # -- windows ---------------------------------------------------------------------------
 
-    def windows(self, loader: Any) -> Iterator[Window]:
-        """Yield the windows of ``loader``; the last one may be partial.
+    def windows(self, loader: Any) -> Windows:
+        """The windows of ``loader``, one per optimizer step; the last one may be partial.
+
+        Iterate it once. ``len(acc.windows(loader))`` is the number of windows when the loader
+        has a length (the partial last window counts; with ``partial_window="drop"`` it does
+        not): use it to size a scheduler or a progress bar.
 
         Raises:
             RuntimeError: gradients are present when a window starts, the previous window
-                was neither stepped nor discarded, or the Accumulator is closed.
+                was neither stepped nor discarded, ``scheduler.step()`` was called outside
+                fullbatch, or the Accumulator is closed.
             ValueError: a loader item cannot be split, or a rank has to pad and cannot.
         """
+        self._check_usable()
+        return Windows(
+            self._iterate(loader),
+            loader,
+            micro_batches=self._micro_batches,
+            drop=self._partial_window == "drop",
+        )
+
+    def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
         stream = Stream(loader)
         index = 0
         while True:
+            if self._guard.scheduler_moved():
+                raise RuntimeError(self._guard.scheduler_message())
             feed = self._next_feed(stream)
             start = self._start_window(feed, stream)
             if start is None:
@@ -150,6 +169,7 @@ class Accumulator:
             if self._batchnorm is not None:
                 self._batchnorm.start()
             window = Window(self, feed, index=index, loss_scale=loss_scale, totals=totals)
+            self._guard.start_window(index)
             yield window
             if not window._closed:
                 self._sync.end()
@@ -262,6 +282,9 @@ class Accumulator:
     def _discard(self, window: Window) -> None:
         discard_window(self, window)
 
+    def _abandon(self) -> None:
+        abandon_window(self)
+
     def _clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self._params:
@@ -276,6 +299,7 @@ class Accumulator:
         self._sync.end()
         if self._batchnorm is not None:
             self._batchnorm.close()
+        self._guard.close()
         self._closed = True
 
     def __enter__(self) -> Accumulator:

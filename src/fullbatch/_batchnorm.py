@@ -36,17 +36,38 @@ def _stats(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tens
     return mean, var, tracked
 
 
-def warn_batchnorm(model: nn.Module) -> None:
+def warn_batchnorm(model: nn.Module, *, window_statistics: bool = False) -> None:
+    """Warn when the model has train-mode BatchNorm layers: the gradient is not exact.
+
+    ``batchnorm="window"`` (``window_statistics``) fixes running statistics only, and only for
+    layers whose input does not pass through another train-mode BatchNorm, so the warning
+    stays, worded for it.
+    """
     names = [name for name, m in _batchnorms(model) if m.training]
-    if names:
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        warnings.warn(
-            f"the model has BatchNorm layers in training mode ({shown}): each micro-batch is "
-            "normalized with its own statistics, so the gradient is not the full batch's, and "
-            "running statistics update once per micro-batch. Pass batchnorm='window' for "
-            "exact window-level running statistics, or use GroupNorm/LayerNorm or eval-mode BN.",
-            stacklevel=3,
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    gradient = (
+        f"the model has {len(names)} BatchNorm layer(s) in training mode ({shown}): each "
+        "micro-batch is normalized with its own statistics, so the gradient is NOT the full "
+        "batch's (no accumulation can change that)."
+    )
+    if window_statistics:
+        stats = (
+            " batchnorm='window' makes running statistics equal to one full-batch update only "
+            "for BatchNorm layers whose input does not pass through another train-mode "
+            "BatchNorm (in a ResNet, the stem alone); later layers see inputs normalized per "
+            "micro-batch and stay approximate."
         )
+    else:
+        stats = (
+            " Running statistics also update once per micro-batch: batchnorm='window' makes "
+            "them exact for BatchNorm layers not fed by another train-mode BatchNorm."
+        )
+    warnings.warn(
+        gradient + stats + " For an exact step use GroupNorm/LayerNorm or eval-mode BatchNorm.",
+        stacklevel=3,
+    )
 
 
 class _Moments:

@@ -26,6 +26,40 @@ def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
         )
 
 
+def _check_labels(labels: torch.Tensor, ignore_index: int, shift: bool) -> None:
+    """Refuse negative labels other than ``ignore_index`` (checked where it costs no sync).
+
+    A ``-1`` usually means ignored targets written for ``ignore_index=-1`` (nanoGPT,
+    LLMs-from-scratch): counted as items and out of range for cross-entropy. On CPU the check
+    raises this message; on accelerators it is an asynchronous device assertion (a host
+    check would stall the device queue at every micro-batch).
+    """
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(
+            f"labels must hold integer class indices, got dtype {labels.dtype}; for soft "
+            "targets compute the summed loss yourself and pass its item count."
+        )
+    bad = (labels < 0) & (labels != ignore_index)
+    if labels.device.type != "cpu":
+        torch._assert_async(~bad.any(), "labels hold negative values other than ignore_index")
+        return
+    if bool(bad.any()):
+        value = int(labels[bad][0])
+        recipe = (
+            "If your targets are already shifted (targets[t] is input[t + 1], as in nanoGPT "
+            "and LLMs-from-scratch), use fb.cross_entropy_sum(logits, targets, "
+            f"ignore_index={value}) and fb.count_tokens(targets, ignore_index={value}, "
+            "shift=False): they do not shift again."
+            if shift
+            else ""
+        )
+        raise ValueError(
+            f"labels contain {value}, which is neither a class index nor "
+            f"ignore_index={ignore_index}. If {value} marks ignored targets, pass "
+            f"ignore_index={value}. {recipe}".rstrip()
+        )
+
+
 def count_tokens(
     labels: torch.Tensor, ignore_index: int = -100, shift: bool = True
 ) -> torch.Tensor:
@@ -38,6 +72,7 @@ def count_tokens(
     >>> fb.count_tokens(torch.tensor([[5, 6, -100]]))
     tensor(1)
     """
+    _check_labels(labels, ignore_index, shift)
     if shift:
         labels = labels[..., 1:]
     return (labels != ignore_index).sum()
@@ -65,6 +100,7 @@ def cross_entropy_sum(
     >>> round(loss_sum.item(), 4), n.item()
     (2.7726, 2)
     """
+    _check_labels(labels, ignore_index, shift)
     if shift:
         logits, labels = _shifted(logits, labels)
     _check_shapes(logits, labels)

@@ -29,6 +29,15 @@ def trained_params(
     """
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     owned = set(params)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if owned and not owned & stepped:
+        raise ValueError(
+            f"the optimizer holds {len(stepped)} parameter(s) but none of the model's "
+            f"{len(owned)} trainable parameters, so training would never change the model. "
+            "Build the optimizer from this model's parameters after any copy or wrapping that "
+            "replaces them (copy.deepcopy, fully_shard), e.g. "
+            "torch.optim.AdamW(model.parameters(), ...)."
+        )
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and id(p) not in owned:

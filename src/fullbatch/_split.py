@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["count_rows", "split_rows", "take_rows"]
+__all__ = ["collate_rows", "count_rows", "split_rows", "take_rows"]
 
 
 def _leaves(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
@@ -26,12 +26,63 @@ def _leaves(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
     return []
 
 
+def _is_row_list(batch: Any) -> bool:
+    """A list of per-row records (dicts or tuples), as ``list(dataset)`` gives: not collated."""
+    return (
+        isinstance(batch, list)
+        and len(batch) > 0
+        and (
+            all(isinstance(row, Mapping) for row in batch)
+            or all(isinstance(row, tuple) for row in batch)
+        )
+    )
+
+
+def collate_rows(batch: Any) -> Any:
+    """Collate a list of per-row records into one batch with rows first; other items as is.
+
+    A list of dicts (or tuples) with 1-D tensors would otherwise be split along its *token*
+    axis. Rows of equal shapes are stacked, as a ``DataLoader`` would; rows of different
+    lengths need padding, which only the user can choose.
+
+    >>> rows = [{"ids": torch.tensor([1, 2]), "y": 0}, {"ids": torch.tensor([3, 4]), "y": 1}]
+    >>> batch = collate_rows(rows)
+    >>> batch["ids"].tolist(), batch["y"].tolist()
+    ([[1, 2], [3, 4]], [0, 1])
+
+    Raises:
+        ValueError: the rows cannot be stacked (different lengths or keys).
+    """
+    if not _is_row_list(batch):
+        return batch
+    from torch.utils.data import default_collate
+
+    try:
+        return default_collate(batch)
+    except (RuntimeError, TypeError, KeyError, ValueError) as error:
+        kind = "dicts" if isinstance(batch[0], Mapping) else "tuples"
+        raise ValueError(
+            f"the loader item is a list of {len(batch)} per-row {kind}, which fullbatch would "
+            f"have to stack into one batch, but they do not stack ({error}). Collate rows in "
+            "the loader: a DataLoader with a collate_fn that pads them (e.g. transformers' "
+            "DataCollatorWithPadding, or torch.nn.utils.rnn.pad_sequence with an "
+            "attention_mask) so that every tensor has the row count first."
+        ) from error
+
+
 def count_rows(batch: Any) -> int:
     """The row count shared by every tensor leaf of ``batch`` with at least one dimension.
 
     Raises:
-        ValueError: no such tensor, or two tensors disagree (the message names both keys).
+        ValueError: no such tensor, two tensors disagree (the message names both keys), or
+            ``batch`` is a list of per-row records that was not collated.
     """
+    if _is_row_list(batch):
+        raise ValueError(
+            f"the batch is a list of {len(batch)} per-row records, not one batch with rows "
+            "first: fullbatch would count the elements of the first row as rows. Collate it "
+            "(torch.utils.data.default_collate, or a DataLoader's collate_fn that pads)."
+        )
     rows: int | None = None
     first = ""
     for path, tensor in _leaves(batch):
@@ -86,6 +137,7 @@ def split_rows(batch: Any, micro_batch_size: int) -> list[Any]:
     >>> [m["x"].tolist() for m in split_rows({"x": torch.arange(5), "t": 1.0}, 2)]
     [[0, 1], [2, 3], [4]]
     """
+    batch = collate_rows(batch)
     rows = count_rows(batch)
     return [
         take_rows(batch, i, min(i + micro_batch_size, rows))

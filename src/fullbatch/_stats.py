@@ -27,6 +27,8 @@ class StepStats:
         lr: learning rate of the first parameter group used for this step.
         micro_batches: micro-batches this rank ran in the window, padding included.
         totals: ``window.totals`` when the Accumulator has ``counts=``; else empty.
+        skipped_windows: windows skipped so far, this one included (each skip also warns, at
+            the 1st, 2nd, 4th, 8th, ... skip).
     """
 
     loss: float
@@ -39,6 +41,7 @@ class StepStats:
     lr: float | None
     micro_batches: int
     totals: dict[str, float] = field(default_factory=dict)
+    skipped_windows: int = 0
 
     def __str__(self) -> str:
         if self.skipped:

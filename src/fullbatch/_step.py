@@ -8,6 +8,7 @@ scheduler step → ``zero_grad(set_to_none=True)``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from fullbatch._accumulator import Accumulator
     from fullbatch._window import Window
 
-__all__ = ["discard_window", "step_window"]
+__all__ = ["abandon_window", "discard_window", "step_window"]
 
 # Slots of the one small all-reduce at the step.
 _LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = range(7)
@@ -57,26 +58,29 @@ def _lr(acc: Accumulator) -> float | None:
 
 
 def step_window(acc: Accumulator, window: Window) -> StepStats:
+    if acc._guard.scheduler_moved():
+        abandon_window(acc)
+        raise RuntimeError(acc._guard.scheduler_message())
     sync = acc._sync
     if sync.reduce_at_step:
         sync.reduce_gradients(acc._params)
     grads = [p.grad for p in acc._params if p.grad is not None]
     loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(acc, window, grads)
     if discarded:
-        _abandon(acc)
+        abandon_window(acc)
         raise RuntimeError(
             f"window {window.index} was discarded on {int(discarded)} rank(s) but stepped on "
             "this one; window.discard() is collective: call it on every rank."
         )
     if bad:
-        _abandon(acc)
+        abandon_window(acc)
         raise ValueError(
             f"a count passed to window.backward in window {window.index} was negative or "
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
     if shares and counted:
-        _abandon(acc)
+        abandon_window(acc)
         raise ValueError(
             f"in window {window.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
@@ -108,11 +112,18 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         if acc._max_grad_norm is not None:
             clip = min(1.0, acc._max_grad_norm / (grad_norm + 1e-6))
         scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
-        if scaler is not None:
-            scaler.step(acc.optimizer)
-        else:
-            acc.optimizer.step()
+        acc._guard.stepping = True
+        try:
+            if scaler is not None:
+                scaler.step(acc.optimizer)
+            else:
+                acc.optimizer.step()
+        finally:
+            acc._guard.stepping = False
         acc.steps += 1
+    else:
+        acc.skipped_windows += 1
+        warn_skipped(acc, window.index, reason)
     if scaler is not None:
         if reason == "non-finite gradient" and sync.sharded:
             # Each rank's scaler saw only its shard: back off the same way everywhere.
@@ -121,6 +132,8 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
             scaler.update()
     if reason is None and acc._scheduler is not None:
         acc._scheduler.step()
+        acc._guard.scheduler_stepped()
+    acc._guard.end_window()
     acc._clear_grads()
     sync.finish_window()
     if acc._batchnorm is not None:
@@ -138,11 +151,33 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         lr=lr,
         micro_batches=window._yielded,
         totals=dict(window._totals or {}),
+        skipped_windows=acc.skipped_windows,
     )
 
 
-def _abandon(acc: Accumulator) -> None:
+def warn_skipped(acc: Accumulator, index: int, reason: str) -> None:
+    """Warn about a skipped window: the 1st, 2nd, 4th, 8th, ... so a long run is not flooded."""
+    n = acc.skipped_windows
+    if n & (n - 1):
+        return
+    hint = (
+        " With a GradScaler a few skips are expected while it calibrates its scale."
+        if acc._scaler is not None and reason == "non-finite gradient"
+        else ""
+    )
+    warnings.warn(
+        f"window {index} was skipped ({reason}): parameters, optimizer and scheduler are "
+        f"unchanged. {n} window(s) skipped so far, {acc.steps} stepped; stats.skipped and "
+        f"stats.skipped_windows report every skip (this warning repeats at 1, 2, 4, 8, ... "
+        f"skips).{hint}",
+        RuntimeWarning,
+        stacklevel=5,  # the user's window.step()
+    )
+
+
+def abandon_window(acc: Accumulator) -> None:
     """End a window without a step: no gradients, sync flags and BatchNorm statistics back."""
+    acc._guard.end_window()
     acc._sync.end()
     acc._clear_grads()
     acc._sync.finish_window()
@@ -151,6 +186,6 @@ def _abandon(acc: Accumulator) -> None:
 
 
 def discard_window(acc: Accumulator, window: Window) -> None:
-    _abandon(acc)
+    abandon_window(acc)
     if acc._sync.group is not None:
         _reduce_stats(acc, None, [])  # pairs with the others' step or discard

@@ -172,6 +172,9 @@ class Window:
                 "loss does not require grad: it was computed under torch.no_grad() or from "
                 "detached tensors, so backward would change nothing."
             )
+        guard = self._acc._guard
+        if not guard.gradients_intact():
+            self._abandon_cleared("between two window.backward calls")
         sync = self._acc._sync
         if self._current_backwards > 0 and sync.single_backward(self._current_final):
             raise RuntimeError(
@@ -186,7 +189,14 @@ class Window:
         if scaler is not None:
             target = scaler.scale(target)
         torch.autograd.backward(target, **autograd_kwargs)
+        guard.after_backward()
         self._record(loss, checked, form)
+
+    def _abandon_cleared(self, where: str) -> None:
+        """Gradients were cleared behind fullbatch's back: end the window, raise with the fix."""
+        self._closed = True
+        self._acc._abandon()
+        raise RuntimeError(self._acc._guard.cleared_message(self.index, where))
 
     def _target(self, loss: torch.Tensor, form: str) -> torch.Tensor:
         if self._current_padding:
@@ -245,6 +255,8 @@ class Window:
             )
         if not self._final_backward and self._yielded > 0:
             raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
+        if not self._acc._guard.gradients_intact():
+            self._abandon_cleared("after the last window.backward, before window.step()")
         self._closed = True
         return self._acc._step(self)
 

@@ -1,0 +1,132 @@
+"""Catching leftovers of a hand-written loop, which would otherwise train silently wrong.
+
+Users migrate by deleting code, and sometimes they miss a line:
+
+- a stray ``optimizer.step()`` inside the window steps with an un-normalized, partial gradient:
+  an optimizer step pre-hook refuses any step that fullbatch did not start while a window is
+  open (before anything changes);
+- a stray ``optimizer.zero_grad()`` (or ``model.zero_grad()``) between two micro-batches throws
+  away the window's gradient so far: after every backward one *sentinel* gradient is remembered
+  (the tensor and its version counter); before the next backward and at the step it must be the
+  same tensor, unmodified. ``zero_grad`` clears every gradient, so one sentinel is enough and
+  the check costs a few attribute reads per micro-batch;
+- a stray ``scheduler.step()`` next to ``scheduler=`` decays the learning rate twice as fast:
+  the scheduler's ``last_epoch`` must not move outside fullbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LoopGuard"]
+
+_STEP_FIX = (
+    "window.step() normalizes the gradient and steps the optimizer once per window: delete "
+    "your own optimizer.step() (and zero_grad(), clip_grad_norm_, scheduler.step()) calls."
+)
+
+
+class LoopGuard:
+    """Watches the optimizer, the gradients and the scheduler for calls fullbatch did not make.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> opt = torch.optim.SGD([w], lr=0.1)
+    >>> guard = LoopGuard(opt, None, [w])
+    >>> guard.window_open = True
+    >>> try:
+    ...     opt.step()
+    ... except RuntimeError as error:
+    ...     print(str(error).split(":")[0])
+    optimizer.step() was called inside window 0, before window.step()
+    >>> guard.close()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, params: list[Any]):
+        self._params = params
+        self._scheduler = scheduler
+        self.window_open = False
+        self.window_index = 0
+        self.stepping = False  # fullbatch itself is stepping the optimizer
+        self._sentinel: Any = None
+        self._sentinel_grad: torch.Tensor | None = None
+        self._sentinel_version = 0
+        self._epoch = self._scheduler_epoch()
+        self._handle = optimizer.register_step_pre_hook(self._before_step)
+
+    # -- optimizer.step ----------------------------------------------------------------------
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.window_open and not self.stepping:
+            raise RuntimeError(
+                f"optimizer.step() was called inside window {self.window_index}, before "
+                f"window.step(): the gradient is not yet normalized nor complete. {_STEP_FIX}"
+            )
+
+    # -- zero_grad between backward calls ----------------------------------------------------
+
+    def start_window(self, index: int) -> None:
+        self.window_open = True
+        self.window_index = index
+        self._sentinel = self._sentinel_grad = None
+
+    def end_window(self) -> None:
+        self.window_open = False
+        self._sentinel = self._sentinel_grad = None
+
+    def after_backward(self) -> None:
+        """Remember one gradient produced so far, to notice if something clears it."""
+        sentinel = self._sentinel
+        if sentinel is None or sentinel.grad is None:
+            sentinel = next((p for p in self._params if p.grad is not None), None)
+            if sentinel is None:  # e.g. FSDP2 holds unsharded gradients itself until the sync
+                return
+        grad = sentinel.grad
+        self._sentinel, self._sentinel_grad, self._sentinel_version = sentinel, grad, grad._version
+
+    def gradients_intact(self) -> bool:
+        """False when the remembered gradient was cleared, replaced or modified since."""
+        if self._sentinel is None:
+            return True
+        grad = self._sentinel.grad
+        return (
+            grad is not None
+            and grad is self._sentinel_grad
+            and grad._version == self._sentinel_version
+        )
+
+    @staticmethod
+    def cleared_message(index: int, where: str) -> str:
+        return (
+            f"the gradients accumulated in window {index} were cleared or changed {where} (a "
+            "leftover optimizer.zero_grad() or model.zero_grad() in the loop?), so the step "
+            "would miss micro-batches. The window was discarded and nothing was stepped. "
+            "fullbatch clears gradients itself after each step: delete your zero_grad() calls."
+        )
+
+    # -- scheduler.step ----------------------------------------------------------------------
+
+    def _scheduler_epoch(self) -> Any:
+        return getattr(self._scheduler, "last_epoch", None)
+
+    def scheduler_moved(self) -> bool:
+        """The scheduler was stepped since fullbatch last stepped it."""
+        return self._scheduler is not None and self._scheduler_epoch() != self._epoch
+
+    def scheduler_stepped(self) -> None:
+        self._epoch = self._scheduler_epoch()
+
+    def scheduler_message(self) -> str:
+        return (
+            f"scheduler.step() was called outside fullbatch (its last_epoch moved from "
+            f"{self._epoch} to {self._scheduler_epoch()}), but the scheduler was given to the "
+            "Accumulator, which steps it once per optimizer step: the learning rate would "
+            "decay twice as fast. Delete your scheduler.step() call, or do not pass "
+            "scheduler= to the Accumulator."
+        )
+
+    def close(self) -> None:
+        self._handle.remove()
+        self.end_window()
