@@ -91,11 +91,9 @@ class LoopGuard:
         if self._sentinel is None:
             return True
         grad = self._sentinel.grad
-        return (
-            grad is not None
-            and grad is self._sentinel_grad
-            and grad._version == self._sentinel_version
-        )
+        if grad is None or grad is not self._sentinel_grad:
+            return False
+        return bool(grad._version == self._sentinel_version)
 
     @staticmethod
     def cleared_message(index: int, where: str) -> str:
