@@ -90,8 +90,8 @@ class LoopGuard:
         """False when the remembered gradient was cleared, replaced or modified since."""
         if self._sentinel is None:
             return True
-        grad = self._sentinel.grad
-        if grad is None or grad is not self._sentinel_grad:
+        grad: torch.Tensor | None = self._sentinel.grad
+        if grad is None or id(grad) != id(self._sentinel_grad):
             return False
         return bool(grad._version == self._sentinel_version)
 
