@@ -36,12 +36,10 @@ def _reduce_stats(
     if window is None:
         parts[_DISCARDED] += 1
     else:
-        if window._loss_sum is not None:
-            parts[_LOSS] = parts[_LOSS] + window._loss_sum.to(device, dtype)
-        parts[_COUNT] = parts[_COUNT] + window._count_py
-        if window._count_t is not None and window._count_bad is not None:
-            parts[_COUNT] = parts[_COUNT] + window._count_t.to(device, dtype)
-            parts[_BAD_COUNT] = parts[_BAD_COUNT] + window._count_bad.to(device, dtype)
+        loss, counts, bad = window._sums(device, dtype)
+        parts[_LOSS] = loss
+        parts[_COUNT] = counts + window._count_py
+        parts[_BAD_COUNT] = bad
         if acc._sync.sharded:
             parts[_SHARD_SQ] = squared_norm(grads, device)
         # The form is agreed over ranks: a rank without micro-batches made no call at all.

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fullbatch._normalize import accumulation_dtype, check_count
+from fullbatch._normalize import check_count
 from fullbatch._stats import StepStats
 from fullbatch._windows import Feed
 
@@ -63,10 +63,10 @@ class Window:
         self._final_backward = False
         self._backwards = 0
         self._form: str | None = None  # "count" or "share"
-        self._loss_sum: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
         self._count_py = 0.0
-        self._count_t: torch.Tensor | None = None
-        self._count_bad: torch.Tensor | None = None
+        self._device_counts: list[torch.Tensor] = []
+        self._seeds: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -183,12 +183,21 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
-        loss = loss.reshape(())
-        target = self._target(loss, form)
-        scaler = self._acc._scaler
-        if scaler is not None:
-            target = scaler.scale(target)
-        torch.autograd.backward(target, **autograd_kwargs)
+        if loss.dim():
+            loss = loss.reshape(())
+        if self._current_padding:
+            # Zero weight by selection, not by multiplying by zero: an inf loss on a padding
+            # micro-batch would otherwise become NaN (inf * 0) and poison the window.
+            off = torch.zeros((), dtype=torch.bool, device=loss.device)
+            target = torch.where(off, loss, torch.zeros_like(loss))
+            scaler = self._acc._scaler
+            torch.autograd.backward(
+                target if scaler is None else scaler.scale(target), **autograd_kwargs
+            )
+        else:
+            # Seeding backward with c (times the GradScaler's scale) is backward(c · loss)
+            # without an extra multiply in the graph: c is a power of two, so both are exact.
+            torch.autograd.backward(loss, grad_tensors=self._seed(loss, form), **autograd_kwargs)
         guard.after_backward()
         self._record(loss, checked, form)
 
@@ -198,14 +207,21 @@ class Window:
         self._acc._abandon()
         raise RuntimeError(self._acc._guard.cleared_message(self.index, where))
 
-    def _target(self, loss: torch.Tensor, form: str) -> torch.Tensor:
-        if self._current_padding:
-            # Zero weight by selection, not by multiplying by zero: an inf loss on a padding
-            # micro-batch would otherwise become NaN (inf * 0) and poison the window.
-            off = torch.zeros((), dtype=torch.bool, device=loss.device)
-            return torch.where(off, loss, torch.zeros_like(loss))
-        c = self.loss_scale if form == "count" else 1.0
-        return loss * c if c != 1.0 else loss
+    def _seed(self, loss: torch.Tensor, form: str) -> torch.Tensor:
+        """The gradient backward starts from: ``c`` (count form) or 1, times the scaler's scale.
+
+        Cached per dtype and device for the window (neither c nor the scale change inside it).
+        """
+        key = (form, loss.dtype, loss.device)
+        seed = self._seeds.get(key)
+        if seed is None:
+            c = self.loss_scale if form == "count" else 1.0
+            seed = torch.full((), c, dtype=loss.dtype, device=loss.device)
+            scaler = self._acc._scaler
+            if scaler is not None:
+                seed = scaler.scale(seed)
+            self._seeds[key] = seed
+        return seed
 
     def _record(self, loss: torch.Tensor, count: float | torch.Tensor, form: str) -> None:
         self._form = form
@@ -214,16 +230,22 @@ class Window:
         self._final_backward = self._final_backward or self._current_final
         if self._current_padding:
             return
-        dtype = accumulation_dtype(loss.device)
-        value = loss.detach().to(dtype)
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        # Kept as they are and summed once at the step: no extra device work per micro-batch.
+        self._losses.append(loss.detach())
         if isinstance(count, torch.Tensor):
-            c = count.to(dtype)
-            bad = (~torch.isfinite(c) | (c < 0)).to(dtype)
-            self._count_t = c if self._count_t is None else self._count_t + c
-            self._count_bad = bad if self._count_bad is None else self._count_bad + bad
+            self._device_counts.append(count)
         else:
             self._count_py += count
+
+    def _sums(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(loss sum, device-tensor count sum, number of bad device counts)`` in ``dtype``."""
+        zero = torch.zeros((), dtype=dtype, device=device)
+        loss = _total(self._losses, device, dtype) if self._losses else zero
+        if not self._device_counts:
+            return loss, zero, zero
+        counts = torch.stack([c.to(device, dtype) for c in self._device_counts])
+        bad = (~torch.isfinite(counts) | (counts < 0)).sum().to(dtype)
+        return loss, counts.sum(), bad
 
     # -- the end of the window -------------------------------------------------------------
 
@@ -270,3 +292,10 @@ class Window:
         self._closed = True
         self._feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
         self._acc._discard(self)
+
+
+def _total(values: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of 0-dim tensors in ``dtype`` (one stack when they share a dtype and device)."""
+    if all(v.dtype == values[0].dtype and v.device == values[0].device for v in values):
+        return torch.stack(values).to(device, dtype).sum()
+    return torch.stack([v.to(device, dtype) for v in values]).sum()
