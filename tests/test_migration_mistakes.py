@@ -115,14 +115,15 @@ def test_user_step_hooks_and_steps_outside_windows_still_work() -> None:
         lambda m, o: o.zero_grad(),
         lambda m, o: o.zero_grad(set_to_none=False),
         lambda m, o: m.zero_grad(),
+        lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
     ],
-    ids=["optimizer.zero_grad", "zero_grad(set_to_none=False)", "model.zero_grad"],
+    ids=["optimizer.zero_grad", "zero_grad(set_to_none=False)", "model.zero_grad", "clip"],
 )
 def test_leftover_zero_grad_between_micro_batches_raises(clear) -> None:
     model, opt, data = setup_mlp()
     snap = Snapshot.take(model, opt)
     with fb.Accumulator(model, opt, micro_batch_size=2) as acc:
-        with pytest.raises(RuntimeError, match=r"window 0 were cleared.*zero_grad\(\)"):
+        with pytest.raises(RuntimeError, match=r"window 0 were cleared or changed.*zero_grad"):
             for window in acc.windows(data):
                 for micro in window:
                     clear(model, opt)  # the old loop's zero_grad at the top of each iteration
@@ -130,6 +131,32 @@ def test_leftover_zero_grad_between_micro_batches_raises(clear) -> None:
                 window.step()
         assert all(p.grad is None for p in model.parameters())  # the window was discarded
     snap.assert_same(model, opt)
+
+
+def test_leftover_loss_backward_next_to_window_backward_raises() -> None:
+    model, opt, data = setup_mlp()
+    snap = Snapshot.take(model, opt)
+    with fb.Accumulator(model, opt, micro_batch_size=2) as acc:
+        with pytest.raises(RuntimeError, match=r"loss.backward\(\)"):
+            for window in acc.windows(data):
+                for micro in window:
+                    loss_sum, n = ce(model, micro)
+                    (loss_sum / n).backward(retain_graph=True)  # the old loop's backward
+                    window.backward(loss_sum, n)
+                window.step()
+    snap.assert_same(model, opt)
+
+
+def test_leftover_loss_backward_in_a_one_micro_batch_window_raises() -> None:
+    model, opt, data = setup_mlp()
+    with fb.Accumulator(model, opt, micro_batch_size=6) as acc:
+        window = next(iter(acc.windows(data)))
+        micro = next(iter(window))
+        loss_sum, n = ce(model, micro)
+        (loss_sum / n).backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"loss.backward\(\)"):
+            window.backward(loss_sum, n)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_zero_grad_after_the_last_backward_raises_at_step() -> None:

@@ -6,10 +6,11 @@ Users migrate by deleting code, and sometimes they miss a line:
   an optimizer step pre-hook refuses any step that fullbatch did not start while a window is
   open (before anything changes);
 - a stray ``optimizer.zero_grad()`` (or ``model.zero_grad()``) between two micro-batches throws
-  away the window's gradient so far: after every backward one *sentinel* gradient is remembered
-  (the tensor and its version counter); before the next backward and at the step it must be the
-  same tensor, unmodified. ``zero_grad`` clears every gradient, so one sentinel is enough and
-  the check costs a few attribute reads per micro-batch;
+  away the window's gradient so far, and a stray ``loss.backward()`` or ``clip_grad_norm_``
+  mixes in unnormalized or clipped terms: after every backward one *sentinel* gradient is
+  remembered (the tensor and its version counter); before the next backward and at the step it
+  must be the same tensor, unmodified. These calls touch every gradient, so one sentinel is
+  enough and the check costs a few attribute reads per micro-batch;
 - a stray ``scheduler.step()`` next to ``scheduler=`` decays the learning rate twice as fast:
   the scheduler's ``last_epoch`` must not move outside fullbatch.
 """
@@ -88,8 +89,8 @@ class LoopGuard:
 
     def gradients_intact(self) -> bool:
         """False when the remembered gradient was cleared, replaced or modified since."""
-        if self._sentinel is None:
-            return True
+        if self._sentinel is None:  # nothing from fullbatch yet: any gradient came from outside
+            return all(p.grad is None for p in self._params)
         grad: torch.Tensor | None = self._sentinel.grad
         if grad is None or id(grad) != id(self._sentinel_grad):
             return False
@@ -99,9 +100,10 @@ class LoopGuard:
     def cleared_message(index: int, where: str) -> str:
         return (
             f"the gradients accumulated in window {index} were cleared or changed {where} (a "
-            "leftover optimizer.zero_grad() or model.zero_grad() in the loop?), so the step "
-            "would miss micro-batches. The window was discarded and nothing was stepped. "
-            "fullbatch clears gradients itself after each step: delete your zero_grad() calls."
+            "leftover optimizer.zero_grad(), model.zero_grad(), loss.backward() or "
+            "clip_grad_norm_ in the loop?), so the step would not be the full batch's. The "
+            "window was discarded and nothing was stepped. Backpropagate only through "
+            "window.backward(loss_sum, count); fullbatch clears and clips gradients itself."
         )
 
     # -- scheduler.step ----------------------------------------------------------------------
