@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fullbatch as fb
-from fullbatch._verify import verify
-from fullbatch._verify_arms import compare
+from fullbatch._verify._arms import compare
+from fullbatch._verify._run import verify
 from fullbatch.testing import assert_equivalent
 
 
@@ -327,7 +327,7 @@ def test_public_names() -> None:
 
 
 def test_a_wrong_fullbatch_gradient_is_called_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fullbatch import _verify_arms
+    from fullbatch._verify import _arms as _verify_arms
 
     record = _verify_arms.GradientRecorder.step
 

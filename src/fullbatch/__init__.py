@@ -11,8 +11,7 @@ from fullbatch import testing
 from fullbatch._accumulator import Accumulator
 from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
 from fullbatch._stats import StepStats
-from fullbatch._verify import verify
-from fullbatch._verify_report import VerifyReport
+from fullbatch._verify import VerifyReport, verify
 from fullbatch._window import Window
 
 __version__ = "0.1.0"

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from fullbatch._split import count_rows
-from fullbatch._verify_additivity import check_additivity
-from fullbatch._verify_arms import (
+from fullbatch._verify._additivity import check_additivity
+from fullbatch._verify._arms import (
     ArmResult,
     LossFn,
     compare,
@@ -27,9 +27,9 @@ from fullbatch._verify_arms import (
     naive_arm,
     relative,
 )
-from fullbatch._verify_precision import TOLERANCES, dtype_name, working_copy
-from fullbatch._verify_report import AdditivityCheck, GradientComparison, VerifyReport
-from fullbatch._verify_state import ModelSnapshot, disable_dropout
+from fullbatch._verify._precision import TOLERANCES, dtype_name, working_copy
+from fullbatch._verify._report import AdditivityCheck, GradientComparison, VerifyReport
+from fullbatch._verify._state import ModelSnapshot, disable_dropout
 
 __all__ = ["verify"]
 

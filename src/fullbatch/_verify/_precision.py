@@ -1,6 +1,6 @@
 """Which dtype ``verify`` compares in, and the tolerance that goes with it.
 
-Tolerances are relative (see :mod:`fullbatch._verify_report` for the error measures): float64
+Tolerances are relative (see :mod:`fullbatch._verify._report` for the error measures): float64
 1e-10, float32 1e-5. A bfloat16/float16 model is compared on a float32 copy when that fits in
 memory; otherwise in its own dtype with a looser band that is a rounding allowance, not a
 proof.
