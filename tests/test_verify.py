@@ -214,7 +214,9 @@ def test_dropout_is_disabled_and_reported() -> None:
     model = _mlp(dropout=0.5)
     report = verify(model, _classification(), _sum_loss, micro_batch_size=3)
     assert report.passed, report
-    assert any("dropout module 2 (Dropout, p=0.5) put in eval mode" in n for n in report.notes)
+    note = "dropout module 2 (Dropout, p=0.5): p set to 0 and put in eval mode"
+    assert any(note in n for n in report.notes)
+    assert model[2].p == 0.5
     assert model[2].training
 
 

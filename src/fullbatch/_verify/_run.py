@@ -79,8 +79,12 @@ def verify(
     One step from the model's current parameters is computed three ways on ``batch``: the
     whole batch at once (the reference), one window of :class:`fullbatch.Accumulator` with
     ``micro_batch_size`` rows per micro-batch, and the naive ``loss / K`` recipe. Dropout is
-    disabled during the comparison; leftover randomness is detected by evaluating the full batch
-    twice. The model is left exactly as it was: parameters are never written; gradients,
+    switched off completely during the comparison: ``p = 0`` on every dropout module (some
+    modules apply ``dropout.p`` at their own training flag, e.g. GPT-2's attention), eval mode,
+    and float dropout attributes set to 0; the report's notes list each change, and all of it is
+    restored afterwards. Leftover randomness is detected by evaluating the full batch twice.
+
+    The model is left exactly as it was: parameters are never written; gradients,
     ``requires_grad``, training flags, buffers (BatchNorm statistics) and the torch RNG state
     (CPU and CUDA) are restored.
 
