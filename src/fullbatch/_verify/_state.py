@@ -91,7 +91,9 @@ class DropoutOff:
     """Dropout switched off by :func:`disable_dropout`; :meth:`restore` switches it back."""
 
     # (name, module, its p, whether it was in train mode)
-    modules: list[tuple[str, nn.Module, float, bool]] = field(default_factory=list)
+    modules: list[tuple[str, nn.modules.dropout._DropoutNd, float, bool]] = field(
+        default_factory=list
+    )
     attributes: list[tuple[str, nn.Module, str, float]] = field(default_factory=list)
 
     def describe(self) -> list[str]:
@@ -108,8 +110,8 @@ class DropoutOff:
 
     def restore(self) -> None:
         """Put every ``p`` and float attribute back (training flags: ``ModelSnapshot``)."""
-        for _, module, p, _ in self.modules:
-            module.p = p
+        for _, dropout, p, _ in self.modules:
+            dropout.p = p
         for _, module, attr, value in self.attributes:
             setattr(module, attr, value)
 
