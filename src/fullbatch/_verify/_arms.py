@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "grad_norm",
     "naive_arm",
     "relative",
+    "reverse_rows",
 ]
 
 Grads = dict[str, torch.Tensor | None]
@@ -63,6 +64,28 @@ def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tens
             "over items (call .sum() with reduction='none', or use reduction='sum')."
         )
     return loss, float(count)
+
+
+def reverse_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with its ``rows`` rows in reverse order (tensor leaves with a dimension).
+
+    The full batch in another row order is the same math with different rounding: how far its
+    gradient moves is part of the model's own rounding band.
+
+    >>> reverse_rows({"x": torch.arange(3), "n": 2}, 3)
+    {'x': tensor([2, 1, 0]), 'n': 2}
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        return batch[torch.arange(rows - 1, -1, -1, device=batch.device)]
+    if isinstance(batch, Mapping):
+        return {k: reverse_rows(v, rows) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(reverse_rows(v, rows) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(reverse_rows(v, rows) for v in batch)
+    return batch
 
 
 def _take_grads(params: list[tuple[str, nn.Parameter]]) -> Grads:
