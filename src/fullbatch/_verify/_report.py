@@ -114,7 +114,8 @@ class VerifyReport:
         additivity: the :class:`AdditivityCheck` (``None`` for a one-row batch).
         nondeterminism: grad error between two identical full-batch evaluations.
         rounding_band: the model's own rounding: how far the full batch's gradient moves when
-            its loss is normalized after backward instead of before, or its rows are permuted
+            its loss is normalized after backward (scaled by fullbatch's ``c`` before, divided by
+            ``c·N`` after) instead of before, or its rows are permuted
             (the larger of the two, each in ``rounding_bands``): the scale below which
             differences mean nothing (a float64 model that upcasts to float32 inside shows
             about 1e-7 here, bf16 autocast about 1e-2). When it exceeds the dtype's tolerance,

@@ -165,11 +165,12 @@ def _run_arms(
         start.restore_buffers()
         again = full_batch_arm(work, params, batch, loss_fn)
         start.restore_buffers()
-        after = full_batch_arm(work, params, batch, loss_fn, normalize_after=True)
-        start.restore_buffers()
         permuted = full_batch_arm(work, params, reverse_rows(batch, count_rows(batch)), loss_fn)
         start.restore_buffers()
         fullbatch = fullbatch_arm(work, params, batch, loss_fn, micro_batch_size)
+        start.restore_buffers()
+        # the full batch with its loss scaled before backward as fullbatch scales it
+        after = full_batch_arm(work, params, batch, loss_fn, scale_before=fullbatch.loss_scale)
         start.restore_buffers()
         naive = naive_arm(work, params, batch, loss_fn, micro_batch_size)
     finally:

@@ -19,7 +19,7 @@ class Runs:
     fullbatch: ArmResult
     naive: ArmResult
     nondeterminism: float  # grad error between two identical full-batch evaluations
-    after: float  # grad error of the full batch normalized after instead of before backward
+    after: float  # grad error of the full batch normalized after backward, as fullbatch does
     permuted: float  # grad error of the full batch with its rows in reverse order
 
     @property
@@ -131,7 +131,7 @@ def build_report(
         grad_norm=ref_norm,
         notes=notes,
         rounding_bands={
-            "loss normalized after backward": runs.after,
+            "loss normalized after backward as fullbatch does": runs.after,
             "rows permuted": runs.permuted,
         },
     )
