@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fullbatch as fb
-from fullbatch._verify import verify
-from fullbatch._verify_arms import compare
+from fullbatch._verify._arms import compare
+from fullbatch._verify._run import verify
 from fullbatch.testing import assert_equivalent
 
 
@@ -214,7 +214,9 @@ def test_dropout_is_disabled_and_reported() -> None:
     model = _mlp(dropout=0.5)
     report = verify(model, _classification(), _sum_loss, micro_batch_size=3)
     assert report.passed, report
-    assert any("dropout module 2 (Dropout, p=0.5) put in eval mode" in n for n in report.notes)
+    note = "dropout module 2 (Dropout, p=0.5): p set to 0 and put in eval mode"
+    assert any(note in n for n in report.notes)
+    assert model[2].p == 0.5
     assert model[2].training
 
 
@@ -327,7 +329,7 @@ def test_public_names() -> None:
 
 
 def test_a_wrong_fullbatch_gradient_is_called_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fullbatch import _verify_arms
+    from fullbatch._verify import _arms as _verify_arms
 
     record = _verify_arms.GradientRecorder.step
 

@@ -5,15 +5,23 @@ Start with :class:`Accumulator`; prove equivalence on your own model with :func:
 >>> import fullbatch as fb
 >>> fb.Accumulator.__name__, fb.Window.__name__, fb.StepStats.__name__
 ('Accumulator', 'Window', 'StepStats')
+
+The public names are imported on first use (PEP 562), so ``import fullbatch`` and
+``fullbatch --help`` do not import torch.
 """
 
-from fullbatch import testing
-from fullbatch._accumulator import Accumulator
-from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
-from fullbatch._stats import StepStats
-from fullbatch._verify import verify
-from fullbatch._verify_report import VerifyReport
-from fullbatch._window import Window
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fullbatch import testing
+    from fullbatch._accumulator import Accumulator
+    from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
+    from fullbatch._stats import StepStats
+    from fullbatch._verify import VerifyReport, verify
+    from fullbatch._window import Window
 
 __version__ = "0.1.0"
 
@@ -29,3 +37,30 @@ __all__ = [
     "testing",
     "verify",
 ]
+
+# public name -> the private module that defines it (a module itself when the name is "")
+_LAZY = {
+    "Accumulator": "fullbatch._accumulator",
+    "StepStats": "fullbatch._stats",
+    "VerifyReport": "fullbatch._verify",
+    "Window": "fullbatch._window",
+    "causal_lm_loss": "fullbatch._losses",
+    "count_tokens": "fullbatch._losses",
+    "cross_entropy_sum": "fullbatch._losses",
+    "testing": "fullbatch.testing",
+    "verify": "fullbatch._verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'fullbatch' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if name == "testing" else getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,7 +17,7 @@ from fullbatch import __version__
 # subcommand -> (module, one-line help)
 _SUBCOMMANDS = {
     "demo": ("fullbatch._demo", "train a tiny causal LM: full batch vs naive vs fullbatch"),
-    "verify": ("fullbatch._verify_cli", "prove fullbatch equals the full batch on your model"),
+    "verify": ("fullbatch._verify._cli", "prove fullbatch equals the full batch on your model"),
 }
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._verify import verify
-from fullbatch._verify_arms import LossFn
-from fullbatch._verify_report import VerifyReport
+from fullbatch._verify._arms import LossFn
+from fullbatch._verify._report import VerifyReport
+from fullbatch._verify._run import verify
 
 __all__ = ["assert_equivalent"]
 

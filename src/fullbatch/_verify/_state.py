@@ -90,15 +90,18 @@ class ModelSnapshot:
 class DropoutOff:
     """Dropout switched off by :func:`disable_dropout`; :meth:`restore` switches it back."""
 
-    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    # (name, module, its p, whether it was in train mode)
+    modules: list[tuple[str, nn.modules.dropout._DropoutNd, float, bool]] = field(
+        default_factory=list
+    )
     attributes: list[tuple[str, nn.Module, str, float]] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         """Human-readable list of what was disabled (empty when nothing was)."""
         lines = [
-            f"dropout module {name or '<root>'} ({type(m).__name__}, p={getattr(m, 'p', '?')}) "
-            "put in eval mode"
-            for name, m in self.modules
+            f"dropout module {name or '<root>'} ({type(m).__name__}, p={p:g}): p set to 0"
+            + (" and put in eval mode" if training else "")
+            for name, m, p, training in self.modules
         ]
         lines += [
             f"{name}.{attr} = {value:g} set to 0.0" for name, _, attr, value in self.attributes
@@ -106,30 +109,39 @@ class DropoutOff:
         return lines
 
     def restore(self) -> None:
+        """Put every ``p`` and float attribute back (training flags: ``ModelSnapshot``)."""
+        for _, dropout, p, _ in self.modules:
+            dropout.p = p
         for _, module, attr, value in self.attributes:
             setattr(module, attr, value)
-        # training flags are restored by ModelSnapshot on the original model
 
 
 def disable_dropout(model: nn.Module) -> DropoutOff:
-    """Put train-mode dropout modules in eval mode and zero float dropout attributes.
+    """Switch dropout off everywhere: ``p = 0`` on every dropout module, eval mode too.
 
-    Only modules that are in train mode *and* would drop something are touched, so the report
-    lists real changes. Functional dropout with a hard-coded probability cannot be reached this
-    way; ``verify`` detects it by evaluating the full batch twice.
+    Eval mode alone is not enough: some modules read ``dropout.p`` and apply it at their own
+    training flag (GPT-2's attention: ``F.dropout(p=self.attn_dropout.p,
+    training=self.training)``), so ``p`` is set to 0 on every dropout module with ``p > 0``,
+    and train-mode ones are also put in eval mode. Float dropout attributes of train-mode
+    modules (``LlamaAttention.attention_dropout``) are set to 0. Only real changes are listed.
+    Functional dropout with a hard-coded probability cannot be reached this way; ``verify``
+    detects it by evaluating the full batch twice.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
     >>> off = disable_dropout(model)
-    >>> model[1].training, off.describe()
-    (False, ['dropout module 1 (Dropout, p=0.5) put in eval mode'])
+    >>> model[1].training, model[1].p, off.describe()
+    (False, 0.0, ['dropout module 1 (Dropout, p=0.5): p set to 0 and put in eval mode'])
+    >>> off.restore(); model[1].p
+    0.5
     """
     off = DropoutOff()
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.training and module.p > 0:
+            if module.p > 0:
+                off.modules.append((name, module, module.p, module.training))
+                module.p = 0.0
                 module.eval()
-                off.modules.append((name, module))
             continue
         if not module.training:
             continue

@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from fullbatch._verify_load import InputError
+from fullbatch._verify._load import InputError
 
 __all__ = ["Example", "collate", "read_examples", "require_file"]
 

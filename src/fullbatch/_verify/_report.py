@@ -113,15 +113,21 @@ class VerifyReport:
             number of micro-batches), for contrast.
         additivity: the :class:`AdditivityCheck` (``None`` for a one-row batch).
         nondeterminism: grad error between two identical full-batch evaluations.
-        rounding_band: grad error of the full batch itself when the loss is normalized after
-            backward instead of before: the model's own rounding, the scale below which
+        rounding_band: the model's own rounding: how far the full batch's gradient moves when
+            its loss is normalized after backward (scaled by fullbatch's ``c`` before, divided by
+            ``c·N`` after) instead of before, or its rows are permuted
+            (the larger of the two, each in ``rounding_bands``): the scale below which
             differences mean nothing (a float64 model that upcasts to float32 inside shows
-            about 1e-7 here, and is then held to float32's tolerance).
-        tolerance: relative tolerance applied (by dtype: float64 1e-10, float32 1e-5).
-        dtype: the dtype the comparison ran in.
+            about 1e-7 here, bf16 autocast about 1e-2). When it exceeds the dtype's tolerance,
+            the tolerance is widened to 4 times the band and a note says so.
+        tolerance: relative tolerance applied (by dtype: float64 1e-10, float32 1e-5; or the
+            widened one).
+        dtype: the dtype the comparison ran in, e.g. ``"float32 + bfloat16 autocast"``.
         rows, micro_batch_size, micro_batches: the batch and how it was split.
         count: items counted over the batch; loss, grad_norm: the full-batch reference's.
-        notes: what verify changed for the comparison (dropout, a float32 copy) and warnings.
+        notes: what verify changed for the comparison (dropout, a float32 copy), a widened
+            tolerance, and warnings.
+        rounding_bands: the rounding band's parts, by how it was measured.
     """
 
     passed: bool
@@ -140,11 +146,12 @@ class VerifyReport:
     loss: float
     grad_norm: float
     notes: list[str] = field(default_factory=list)
+    rounding_bands: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [
-            f"fullbatch verify: {verdict} ({self.dtype}, tolerance {self.tolerance:g} relative)",
+            f"fullbatch verify: {verdict} ({self.dtype}, tolerance {self.tolerance:.3g} relative)",
             f"batch: {self.rows} rows -> {self.micro_batches} micro-batches of up to "
             f"{self.micro_batch_size} rows; {self.count:g} counted items",
             f"full batch (reference): loss {_num(self.loss)}, grad norm {_num(self.grad_norm)}",
@@ -176,9 +183,11 @@ class VerifyReport:
                 f"randomness: two identical full-batch evaluations differ by "
                 f"{_fmt(self.nondeterminism)} (grad error)"
             )
+        parts = self.rounding_bands or {"loss normalized after backward": self.rounding_band}
         lines.append(
-            f"rounding band: normalizing after backward moves the full-batch gradient by "
-            f"{_fmt(self.rounding_band)}"
+            f"rounding band: {_fmt(self.rounding_band)} (the full-batch gradient moves by "
+            + ", ".join(f"{_fmt(v)} with {k}" for k, v in parts.items())
+            + ")"
         )
         for title, items in (("notes", self.notes), ("diagnosis", self.diagnosis)):
             if items:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
     "grad_norm",
     "naive_arm",
     "relative",
+    "reverse_rows",
 ]
 
 Grads = dict[str, torch.Tensor | None]
@@ -44,6 +45,7 @@ class ArmResult:
     count: float
     reported_grad_norm: float | None = None
     skipped_reason: str | None = None
+    loss_scale: float = 1.0
     warnings: list[str] = field(default_factory=list)
 
 
@@ -65,6 +67,28 @@ def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tens
     return loss, float(count)
 
 
+def reverse_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with its ``rows`` rows in reverse order (tensor leaves with a dimension).
+
+    The full batch in another row order is the same math with different rounding: how far its
+    gradient moves is part of the model's own rounding band.
+
+    >>> reverse_rows({"x": torch.arange(3), "n": 2}, 3)
+    {'x': tensor([2, 1, 0]), 'n': 2}
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        return batch[torch.arange(rows - 1, -1, -1, device=batch.device)]
+    if isinstance(batch, Mapping):
+        return {k: reverse_rows(v, rows) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(reverse_rows(v, rows) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(reverse_rows(v, rows) for v in batch)
+    return batch
+
+
 def _take_grads(params: list[tuple[str, nn.Parameter]]) -> Grads:
     grads: Grads = {}
     for name, param in params:
@@ -79,20 +103,22 @@ def full_batch_arm(
     batch: Any,
     loss_fn: LossFn,
     *,
-    normalize_after: bool = False,
+    scale_before: float | None = None,
 ) -> ArmResult:
     """The reference: ``loss_sum / count`` on the whole batch, one backward.
 
-    With ``normalize_after`` the backward runs on ``loss_sum`` and the gradient is divided by
-    ``count`` afterwards, in float64: the same math, so the difference to the reference is the
-    model's own rounding band (large when a float64 model computes partly in float32).
+    With ``scale_before=c`` the backward runs on ``c * loss_sum`` and the gradient is divided
+    by ``c * count`` afterwards, in float64, as fullbatch does: the same math, so the
+    difference to the reference is the model's own rounding band (large when a float64 model
+    computes partly in float32, or under autocast).
     """
     loss, count = call_loss(loss_fn, model, batch)
     mean = loss / count if count else loss * math.nan
-    (loss if normalize_after else mean).backward()
+    (mean if scale_before is None else loss * scale_before).backward()
     grads = _take_grads(params)
-    if normalize_after:
-        grads = {n: None if g is None else g.double() / count for n, g in grads.items()}
+    if scale_before is not None:
+        divisor = scale_before * count
+        grads = {n: None if g is None else g.double() / divisor for n, g in grads.items()}
     return ArmResult(grads, float(mean.detach()), count)
 
 
@@ -146,9 +172,11 @@ def fullbatch_arm(
     if stats.skipped or recorder.recorded is None:
         grads: Grads = {name: None for name, _ in params}
         reason = stats.reason or "no optimizer step"
-        return ArmResult(grads, stats.loss, stats.count, stats.grad_norm, reason, notes)
+        return ArmResult(
+            grads, stats.loss, stats.count, stats.grad_norm, reason, stats.loss_scale, notes
+        )
     grads = {name: g for (name, _), g in zip(params, recorder.recorded, strict=True)}
-    return ArmResult(grads, stats.loss, stats.count, stats.grad_norm, None, notes)
+    return ArmResult(grads, stats.loss, stats.count, stats.grad_norm, None, stats.loss_scale, notes)
 
 
 def grad_norm(grads: Grads) -> float:

@@ -88,8 +88,8 @@ def _fail(message: str) -> int:
 
 
 def _batch(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
-    from fullbatch._verify_data import collate, read_examples
-    from fullbatch._verify_load import InputError
+    from fullbatch._verify._data import collate, read_examples
+    from fullbatch._verify._load import InputError
 
     examples = read_examples(args.data, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size)
     if args.batch_size is not None:
@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from fullbatch._verify import verify
-    from fullbatch._verify_data import require_file
-    from fullbatch._verify_load import InputError, causal_lm_loss_fn, load_model
+    from fullbatch._verify._data import require_file
+    from fullbatch._verify._load import InputError, causal_lm_loss_fn, load_model
+    from fullbatch._verify._run import verify
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from fullbatch._split import count_rows, take_rows
-from fullbatch._verify_arms import LossFn, call_loss
-from fullbatch._verify_report import AdditivityCheck
-from fullbatch._verify_state import batchnorm_modules
+from fullbatch._verify._arms import LossFn, call_loss
+from fullbatch._verify._report import AdditivityCheck
+from fullbatch._verify._state import batchnorm_modules
 
 __all__ = ["check_additivity"]
 

@@ -1,0 +1,37 @@
+"""``fb.verify`` and ``fullbatch verify``: prove on the user's own model that fullbatch is exact.
+
+One job per module:
+
+- ``_run``: :func:`verify` itself (runs the arms, decides the verdict);
+- ``_arms``: the gradients compared (full batch, fullbatch's Accumulator, naive ``loss / K``);
+- ``_additivity``: is ``loss_fn`` a sum of per-item terms, and if not, why not;
+- ``_precision``: the dtype compared in and its tolerance;
+- ``_state``: save and restore the user's model, switch dropout off;
+- ``_report``: :class:`VerifyReport` and its readable text;
+- ``_cli``, ``_load``, ``_data``: the ``fullbatch verify`` command, its model and data loading.
+
+The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without
+torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fullbatch._verify._report import VerifyReport
+    from fullbatch._verify._run import verify
+
+__all__ = ["VerifyReport", "verify"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "verify":
+        from fullbatch._verify._run import verify
+
+        return verify
+    if name == "VerifyReport":
+        from fullbatch._verify._report import VerifyReport
+
+        return VerifyReport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,186 @@
+"""``fb.verify``: prove, on the user's own model and batch, that fullbatch equals the full batch.
+
+Three gradients from the same parameters: the plain full-batch reference (``loss_sum / count``,
+one backward), one window of the real :class:`fullbatch.Accumulator`, and the naive recipe
+(each micro-batch's mean divided by the number of micro-batches) for contrast. An additivity
+check tells whether the loss can be accumulated exactly at all, and names what breaks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._split import count_rows
+from fullbatch._verify._additivity import check_additivity
+from fullbatch._verify._arms import (
+    LossFn,
+    compare,
+    full_batch_arm,
+    fullbatch_arm,
+    naive_arm,
+    reverse_rows,
+)
+from fullbatch._verify._precision import (
+    TOLERANCES,
+    check_autocast,
+    dtype_name,
+    under_autocast,
+    widen_tolerance,
+    working_copy,
+)
+from fullbatch._verify._report import VerifyReport
+from fullbatch._verify._state import ModelSnapshot, disable_dropout
+from fullbatch._verify._verdict import Runs, build_report
+
+__all__ = ["verify"]
+
+
+def _check_arguments(model: Any, loss_fn: Any, micro_batch_size: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(model, micro) -> (loss_sum, count), got "
+            f"{type(loss_fn).__name__}."
+        )
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}.")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size}.")
+
+
+def verify(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    micro_batch_size: int,
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+    rtol: float | None = None,
+) -> VerifyReport:
+    """Check that fullbatch's accumulated gradient equals the full-batch gradient.
+
+    One step from the model's current parameters is computed three ways on ``batch``: the
+    whole batch at once (the reference), one window of :class:`fullbatch.Accumulator` with
+    ``micro_batch_size`` rows per micro-batch, and the naive ``loss / K`` recipe. Dropout is
+    switched off completely during the comparison: ``p = 0`` on every dropout module (some
+    modules apply ``dropout.p`` at their own training flag, e.g. GPT-2's attention), eval mode,
+    and float dropout attributes set to 0; the report's notes list each change, and all of it is
+    restored afterwards. Leftover randomness is detected by evaluating the full batch twice.
+
+    The model is left exactly as it was: parameters are never written; gradients,
+    ``requires_grad``, training flags, buffers (BatchNorm statistics) and the torch RNG state
+    (CPU and CUDA) are restored.
+
+    Args:
+        model: the model, with the parameters to test from.
+        batch: one batch, a tensor or a dict of tensors with rows first (as a loader yields).
+        loss_fn: ``loss_fn(model, micro) -> (loss_sum, count)``: the loss *summed* over the
+            micro-batch's items and how many items that is (see ``fb.cross_entropy_sum``).
+        micro_batch_size: rows per micro-batch; pick one that makes several micro-batches.
+        dtype: compare on a copy in this dtype (e.g. ``torch.float64`` for a tight check).
+            By default the model's dtype; bfloat16/float16 models are compared on a float32
+            copy when it fits in memory. ``torch.bfloat16`` compares a bf16 model as it trains.
+        autocast: ``torch.bfloat16`` or ``torch.float16``: run every forward and ``loss_fn``
+            under ``torch.autocast`` in that dtype (on the parameters' device type), as mixed
+            precision training does; backward runs outside it. ``None`` (default): as
+            ``loss_fn`` does it (an autocast inside ``loss_fn`` works too).
+        rtol: relative tolerance; by default 1e-10 for float64, 1e-5 for float32, 2e-2 for
+            bfloat16 and 2e-3 for float16, widened to the model's own rounding band when that
+            is larger (see below). An explicit ``rtol`` is never widened.
+
+    Low precision (bf16/fp16 autocast, bf16/fp16 parameters, float32 internals of a float64
+    model): the full batch itself is only defined up to rounding there. verify measures the
+    model's own *rounding band*, how far the full batch's gradient moves when its loss is
+    normalized after backward instead of before, or its rows are permuted, and holds fullbatch
+    to 4 times that band (the report's notes state the band and the tolerance). Expect bands of
+    about 1e-2 relative in bfloat16 and 2e-3 in float16 (tiny Llama and GPT-2, autocast or
+    low-precision parameters); fullbatch's error is about the band, the naive ``loss / K``
+    recipe's is 50 times larger or more, and a mean-reduced loss still fails. Such a pass means
+    "equal up to this precision's rounding", not more: for a tight proof compare in float32
+    (the default for bf16/fp16 models) or float64.
+
+    Returns:
+        A :class:`VerifyReport`: ``.passed``, ``.diagnosis`` and a readable ``str()``.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or ``loss_fn`` not returning ``(loss_sum, count)``.
+
+    >>> import torch, fullbatch as fb
+    >>> model = torch.nn.Linear(4, 3).double()
+    >>> batch = {"x": torch.randn(6, 4, dtype=torch.float64), "y": torch.tensor([0, 1, 2, 0, 1, 2])}
+    >>> loss_fn = lambda m, b: fb.cross_entropy_sum(m(b["x"]), b["y"])
+    >>> fb.verify(model, batch, loss_fn, micro_batch_size=4).passed
+    True
+    """
+    _check_arguments(model, loss_fn, micro_batch_size)
+    autocast = check_autocast(autocast)
+    rows = count_rows(batch)
+    notes: list[str] = []
+    snapshot = ModelSnapshot.capture(model)
+    dropout = None
+    try:
+        with torch.enable_grad():
+            work, work_batch, compute_dtype = working_copy(model, batch, dtype, notes)
+            compute = dtype_name(compute_dtype)
+            if autocast is not None:
+                device_type = next(work.parameters()).device.type
+                loss_fn = under_autocast(loss_fn, device_type, autocast)
+                compute += f" + {dtype_name(autocast)} autocast"
+            dropout = disable_dropout(work)
+            notes += [f"disabled for the comparison: {line}" for line in dropout.describe()]
+            runs = _run_arms(work, work_batch, loss_fn, micro_batch_size, notes)
+            tol = rtol if rtol is not None else TOLERANCES[compute_dtype]
+            if rtol is None:
+                tol = widen_tolerance(tol, runs.band, runs.nondeterminism, compute, notes)
+            additivity = check_additivity(work, work_batch, loss_fn, tol)
+        return build_report(runs, additivity, tol, compute, rows, micro_batch_size, notes)
+    finally:
+        if dropout is not None:
+            dropout.restore()
+        snapshot.restore()
+
+
+def _run_arms(
+    work: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    notes: list[str],
+) -> Runs:
+    """Run every arm on ``work``, with its buffers reset to their start values in between."""
+    params = [(n, p) for n, p in work.named_parameters() if p.requires_grad]
+    start = ModelSnapshot.capture(work)  # only its buffers are used
+    try:
+        ref = full_batch_arm(work, params, batch, loss_fn)
+        if ref.count == 0:
+            raise ValueError(
+                "the batch counts 0 items (every label ignored?): nothing to compare; pass a "
+                "batch for which loss_fn returns a positive count."
+            )
+        start.restore_buffers()
+        again = full_batch_arm(work, params, batch, loss_fn)
+        start.restore_buffers()
+        permuted = full_batch_arm(work, params, reverse_rows(batch, count_rows(batch)), loss_fn)
+        start.restore_buffers()
+        fullbatch = fullbatch_arm(work, params, batch, loss_fn, micro_batch_size)
+        start.restore_buffers()
+        # the full batch with its loss scaled before backward as fullbatch scales it
+        after = full_batch_arm(work, params, batch, loss_fn, scale_before=fullbatch.loss_scale)
+        start.restore_buffers()
+        naive = naive_arm(work, params, batch, loss_fn, micro_batch_size)
+    finally:
+        start.restore_buffers()
+    notes += fullbatch.warnings
+    return Runs(
+        ref=ref,
+        fullbatch=fullbatch,
+        naive=naive,
+        nondeterminism=compare(ref.grads, again.grads)[0],
+        after=compare(ref.grads, after.grads)[0],
+        permuted=compare(ref.grads, permuted.grads)[0],
+    )
