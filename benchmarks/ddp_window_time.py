@@ -11,8 +11,10 @@ Rank 0 prints the median and the min-max of each arm and their ratio, measured i
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None, help="rank 0 also writes results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -87,10 +90,11 @@ def main() -> None:
                 times[name].append(float(elapsed))
     if rank == 0:
         params = sum(p.numel() for p in ddp_ours.parameters())
-        print(
+        setup = (
             f"{world} gloo ranks, 1 thread each, {params / 1e6:.2f}M parameters, "
             f"K={args.micro_batches} micro-batches of {args.rows} rows, {args.reps} windows per arm"
         )
+        print(setup)
         medians = {}
         for name, ts in times.items():
             medians[name] = statistics.median(ts)
@@ -98,6 +102,10 @@ def main() -> None:
             print(f"  {name:34s} median {medians[name]:.4f} s/window  {spread}")
         ours, theirs = medians.values()
         print(f"  ratio sync-every / fullbatch: {theirs / ours:.2f}x")
+        if args.json is not None:
+            result = {"setup": setup, "fullbatch": ours, "sync_every": theirs, "world": world}
+            result |= {"micro_batches": args.micro_batches, "params": params}
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
     acc.close()
     dist.destroy_process_group()
 

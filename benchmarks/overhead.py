@@ -1,20 +1,30 @@
 """Seconds per window in one process: fullbatch vs the hand-written loop it replaces.
 
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py                      # micro-batches of 1, 4 and 16 rows
+    python benchmarks/overhead.py --sizes 4 --reps 40  # one size
 
-Both arms compute the same thing: K micro-batches of a tiny causal LM with padded rows, summed
-losses, one normalization by the window's token count, clipping and an AdamW step. The
-hand-written arm counts tokens up front and backpropagates ``loss_sum / N``; fullbatch
-backpropagates ``c · loss_sum`` and rescales at the step (plus its bookkeeping: counts on the
-device, the norm, the checks). The arms alternate window by window; the script prints the
-median and min-max of each and their ratio, measured in this run.
+Both arms compute the same thing: a window of ``--window-rows`` padded rows of a tiny causal LM,
+split into micro-batches of M rows, summed losses, one normalization by the window's token
+count, clipping and an AdamW step. The hand-written arm counts tokens up front and
+backpropagates ``loss_sum / N``; fullbatch backpropagates ``c · loss_sum`` and rescales at the
+step (plus its bookkeeping: counts on the device, the norm, the checks). Smaller micro-batches
+mean more micro-batches per window, so 1-row micro-batches show the per-micro-batch cost at
+its largest.
+
+For each size the arms alternate window by window in one process (ABBA order, so neither arm
+always runs first), after warm-up windows. The table gives each arm's median seconds per
+window, the ratio of the medians, and the spread of the per-window paired ratios (their 25th
+to 75th percentile): a ratio is only meaningful to within that spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -64,47 +74,93 @@ def with_fullbatch(acc: fb.Accumulator, model: nn.Module, window: list[dict]) ->
         w.step()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
-    windows = [make_window(args.micro_batches, args.rows, args.length, gen) for _ in range(4)]
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def measure(size: int, args: argparse.Namespace) -> dict[str, float]:
+    """Both arms at micro-batches of ``size`` rows; medians, ratio and the paired spread."""
+    k = args.window_rows // size
+    gen = torch.Generator().manual_seed(size)
+    windows = [make_window(k, size, args.length, gen) for _ in range(4)]
     torch.manual_seed(0)
     ours, theirs = TinyLM(), TinyLM()
     theirs.load_state_dict(ours.state_dict())
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3)
-    acc = fb.Accumulator(ours, opt_ours, micro_batches=args.micro_batches, max_grad_norm=1.0)
-    arms = {
+    acc = fb.Accumulator(ours, opt_ours, micro_batches=k, max_grad_norm=1.0)
+    arms: dict[str, Callable[[list[dict]], None]] = {
+        "hand": lambda w: hand_written(theirs, opt_theirs, w),
         "fullbatch": lambda w: with_fullbatch(acc, ours, w),
-        "hand-written loss_sum / N": lambda w: hand_written(theirs, opt_theirs, w),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
-    for rep in range(args.reps + 2):  # two warm-up rounds
+    for rep in range(args.warmup + args.reps):
         window = windows[rep % len(windows)]
-        for name, run in arms.items():
+        order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # ABBA: no fixed first arm
+        for name in order:
             start = time.perf_counter()
-            run(window)
-            if rep >= 2:
+            arms[name](window)
+            if rep >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    params = sum(p.numel() for p in ours.parameters())
-    print(
-        f"1 process, {args.threads} thread(s), {params / 1e6:.2f}M parameters, "
-        f"K={args.micro_batches} micro-batches of {args.rows}x{args.length} tokens, "
-        f"{args.reps} windows per arm"
-    )
-    for name, ts in times.items():
-        spread = f"(min {min(ts):.4f}, max {max(ts):.4f})"
-        print(f"  {name:28s} median {statistics.median(ts):.4f} s/window  {spread}")
-    a, b = (statistics.median(ts) for ts in times.values())
-    print(f"  ratio fullbatch / hand-written: {a / b:.3f}")
     acc.close()
+    paired = [f / h for f, h in zip(times["fullbatch"], times["hand"], strict=True)]
+    hand, ours_median = statistics.median(times["hand"]), statistics.median(times["fullbatch"])
+    return {
+        "micro_batch_size": size,
+        "micro_batches": k,
+        "hand": hand,
+        "fullbatch": ours_median,
+        "ratio": ours_median / hand,
+        "q1": quantile(paired, 0.25),
+        "q3": quantile(paired, 0.75),
+    }
+
+
+def sizes(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=sizes, default=[1, 4, 16], help="rows per micro-batch")
+    parser.add_argument("--window-rows", type=int, default=32, help="rows per window")
+    parser.add_argument("--length", type=int, default=128, help="tokens per row")
+    parser.add_argument("--reps", type=int, default=60, help="windows per arm and size")
+    parser.add_argument("--warmup", type=int, default=4, help="windows per arm, not timed")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    bad = [m for m in args.sizes if m < 1 or args.window_rows % m]
+    if bad:
+        parser.error(f"--sizes {bad} must be positive divisors of --window-rows {args.window_rows}")
+    torch.set_num_threads(args.threads)
+    params = sum(p.numel() for p in TinyLM().parameters())
+    setup = (
+        f"1 process, {args.threads} thread(s), torch {torch.__version__}, "
+        f"{params / 1e6:.2f}M parameters, windows of {args.window_rows} rows x {args.length} "
+        f"tokens, {args.reps} windows per arm and size"
+    )
+    print(f"{setup}; medians, spread: 25th to 75th percentile of the per-window ratio")
+    print(
+        "| micro-batch rows | micro-batches | hand-written s/window | fullbatch s/window "
+        "| ratio | spread |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for size in args.sizes:
+        row = measure(size, args)
+        rows.append(row)
+        print(
+            f"| {size} | {row['micro_batches']} | {row['hand']:.4f} | {row['fullbatch']:.4f} "
+            f"| {row['ratio']:.3f} | {row['q1']:.3f}-{row['q3']:.3f} |",
+            flush=True,
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"setup": setup, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,17 +10,41 @@ Fences, by info string:
   (gloo); it must exit with status 0. Such scripts assert their own claims.
 - ```` ```python no-run ````: compiled, not run. Only for third-party snippets (Accelerate's)
   and fragments that need a launcher or hardware this machine lacks.
+
+Printed output: a ```` ```text ```` fence that *immediately* follows a run ```` ```python ````
+block (only blank lines between them) is that block's expected standard output, and the test
+compares it. Trailing whitespace of every line, and blank lines at the end, are ignored;
+everything else must match exactly. For a ```` ```python torchrun ```` block the expected text
+is what all ranks print to the launcher's stdout, compared as a multiset of lines (ranks
+interleave, so line order is not compared). Text fence tags:
+
+- ```` ```text ````: exact, as above. Examples are seeded so that their output is the same on
+  every machine; this is the default and the norm.
+- ```` ```text approx ````: the words must match exactly, but each number only to within
+  ``APPROX_RTOL`` relative (plus one unit of its last printed digit). Only for a number that
+  legitimately depends on the machine (a timing, a thread-count-dependent rounding); say so
+  in the prose next to it.
+- ```` ```text no-check ````: shown, not compared. Only for output that cannot be reproduced
+  here (a GPU, a launcher this machine lacks), after a ```` ```python no-run ```` block.
+
+A ```` ```text ```` fence after a block that runs must be checked: a no-run block followed by
+plain ```` ```text ```` fails, so an example's shown output is never silently unchecked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib.util
+import io
+import itertools
+import math
 import os
 import re
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +55,8 @@ DOCS = ROOT / "docs"
 DOC_PAGES = sorted(DOCS.glob("*.md"))
 PAGES = [*DOC_PAGES, ROOT / "README.md"]
 TAGS = {"no-run", "torchrun"}
+TEXT_TAGS = {"approx", "no-check"}
+APPROX_RTOL = 1e-2
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 TORCHRUN_TIMEOUT = 120
 
@@ -41,6 +67,7 @@ class Block:
     line: int  # 1-based line of the first code line
     info: str
     code: str
+    end: int = 0  # 1-based line of the closing fence
 
     @property
     def language(self) -> str:
@@ -52,7 +79,8 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
     @property
     def mode(self) -> str:
@@ -94,7 +122,7 @@ def fences(page: Path) -> list[Block]:
             body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j])
             j += 1
         code = textwrap.dedent("\n".join(body)) + "\n"
-        blocks.append(Block(page, i + 2, opening["info"].strip(), code))
+        blocks.append(Block(page, i + 2, opening["info"].strip(), code, end=j + 1))
         i = j + 1
     return blocks
 
@@ -106,6 +134,70 @@ def python_blocks(page: Path) -> list[Block]:
 ALL_PYTHON = [b for page in PAGES if page.exists() for b in python_blocks(page)]
 
 
+def expected_outputs(page: Path) -> dict[str, Block]:
+    """``{python block id: the text fence right after it}``: the output the page shows."""
+    blocks = fences(page)
+    lines = page.read_text(encoding="utf-8").splitlines()
+    out = {}
+    for before, after in itertools.pairwise(blocks):
+        between = lines[before.end : after.line - 2]  # lines after the closing fence
+        if (
+            before.language == "python"
+            and after.language == "text"
+            and not any(line.strip() for line in between)
+        ):
+            out[before.id] = after
+    return out
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _close(expected: str, actual: str) -> bool:
+    """``actual`` matches ``expected`` word for word, numbers within ``APPROX_RTOL``."""
+    want, got = NUMBER.split(expected), NUMBER.split(actual)
+    if want != got:  # the words between the numbers
+        return False
+    for a, b in zip(NUMBER.findall(expected), NUMBER.findall(actual), strict=True):
+        mantissa = a.lower().split("e")[0]
+        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        exponent = int(a.lower().split("e")[1]) if "e" in a.lower() else 0
+        unit = 10.0 ** (exponent - decimals)
+        if not math.isclose(float(a), float(b), rel_tol=APPROX_RTOL, abs_tol=unit):
+            return False
+    return True
+
+
+def check_output(block: Block, printed: str) -> None:
+    """Compare what ``block`` printed with the text fence that follows it, if any."""
+    shown = expected_outputs(block.page).get(block.id)
+    if shown is None:
+        return
+    want, got = _lines(shown.code), _lines(printed)
+    if block.mode == "torchrun":  # ranks interleave: compare the lines, not their order
+        want, got = sorted(want), sorted(got)
+    if "approx" in shown.tags:
+        same = len(want) == len(got) and all(_close(a, b) for a, b in zip(want, got, strict=True))
+    else:
+        same = want == got
+    if not same:
+        diff = "\n".join(
+            difflib.unified_diff(want, got, "shown in the page", "printed", lineterm="")
+        )
+        pytest.fail(
+            f"{block.id}: the output shown at line {shown.line} ({shown.info}) is not what "
+            f"the block prints:\n{diff}",
+            pytrace=False,
+        )
+
+
 # -- in-process blocks: one namespace per page, blocks in order ------------------------------
 
 
@@ -114,12 +206,14 @@ class PageState:
     namespace: dict[str, Any]
     done: int = 0  # blocks of the page already run
     failed: str | None = None  # id of the block that failed
+    printed: dict[str, str] = field(default_factory=dict)  # block id -> its stdout
 
 
 _STATES: dict[Path, PageState] = {}
 
 
-def _run_in_page(block: Block) -> None:
+def _run_in_page(block: Block) -> str:
+    """Run ``block`` (after the page's earlier blocks) and return what it printed."""
     runnable = [b for b in python_blocks(block.page) if b.mode == "run"]
     state = _STATES.setdefault(block.page, PageState({"__name__": "__docs__"}))
     index = runnable.index(block)
@@ -135,16 +229,22 @@ def _run_in_page(block: Block) -> None:
     while state.done <= index:
         current = runnable[state.done]
         state.done += 1
+        stdout = io.StringIO()
         try:
-            exec(current.compiled(), state.namespace)
+            with contextlib.redirect_stdout(stdout):
+                exec(current.compiled(), state.namespace)
         except BaseException:
             state.failed = current.id
             if current.id != block.id:
                 pytest.fail(f"an earlier block of this page failed: {current.id}", pytrace=False)
             raise
+        finally:
+            state.printed[current.id] = stdout.getvalue()
+    return state.printed[block.id]
 
 
-def _run_torchrun(block: Block, tmp_path: Path) -> None:
+def _run_torchrun(block: Block, tmp_path: Path) -> str:
+    """Run ``block`` under the launcher and return what its ranks printed to stdout."""
     script = tmp_path / f"{block.page.stem}_{block.line}.py"
     script.write_text(block.code, encoding="utf-8")
     cmd = [
@@ -171,6 +271,7 @@ def _run_torchrun(block: Block, tmp_path: Path) -> None:
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"{block.id}: torchrun exited with {proc.returncode}\n{output}")
+    return proc.stdout
 
 
 @pytest.mark.timeout(TORCHRUN_TIMEOUT + 60)
@@ -180,9 +281,10 @@ def test_python_example_runs(block: Block, tmp_path: Path) -> None:
     if block.mode == "no-run":
         pytest.skip("marked no-run: compiled, not executed")
     if block.mode == "torchrun":
-        _run_torchrun(block, tmp_path)
+        printed = _run_torchrun(block, tmp_path)
     else:
-        _run_in_page(block)
+        printed = _run_in_page(block)
+    check_output(block, printed)
 
 
 # -- the fences and links themselves ---------------------------------------------------------
@@ -197,6 +299,26 @@ def test_fences_are_known(page: Path) -> None:
         if block.language == "python":
             unknown = [t for t in block.tags if t not in TAGS and not t.startswith("nproc=")]
             assert not unknown, f"{block.id}: unknown fence tags {unknown}; known: {sorted(TAGS)}"
+        if block.language == "text":
+            unknown = [t for t in block.tags if t not in TEXT_TAGS]
+            known = sorted(TEXT_TAGS)
+            assert not unknown, f"{block.id}: unknown text fence tags {unknown}; known: {known}"
+            assert len(block.tags) <= 1, f"{block.id}: a text fence takes one tag at most"
+    shown = expected_outputs(page)
+    for block in python_blocks(page):
+        text = shown.get(block.id)
+        if text is None:
+            continue
+        if block.mode == "no-run":
+            assert "no-check" in text.tags, (
+                f"{text.id}: output after a no-run block cannot be checked; "
+                "write ```text no-check and say in the prose why it cannot run here"
+            )
+        else:
+            assert "no-check" not in text.tags, (
+                f"{text.id}: this output follows a block that runs, so it is checked; "
+                "drop no-check (or use approx for a machine-dependent number)"
+            )
 
 
 def test_docs_pages_exist() -> None:
@@ -245,3 +367,23 @@ def test_python_examples_fit_the_line_length(page: Path) -> None:
         lines = enumerate(block.code.splitlines(), block.line)
         long = [number for number, line in lines if len(line) > 100]
         assert not long, f"{page.name}: lines {long} are longer than 100 characters"
+
+
+def test_shown_output_is_compared(tmp_path: Path) -> None:
+    """The comparison itself: a wrong number fails, an approx number within tolerance passes."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('loss 3.5924')\n```\n\n```text\nloss 3.5924\n```\n\n"
+        "```python\nprint('took 0.1024 s')\n```\n```text approx\ntook 0.1020 s\n```\n",
+        encoding="utf-8",
+    )
+    exact, approx = python_blocks(page)
+    assert set(expected_outputs(page)) == {exact.id, approx.id}
+    check_output(exact, "loss 3.5924  \n\n")  # trailing whitespace and blank lines ignored
+    with pytest.raises(pytest.fail.Exception, match="not what the block prints"):
+        check_output(exact, "loss 3.5925\n")
+    check_output(approx, "took 0.1024 s\n")
+    with pytest.raises(pytest.fail.Exception):
+        check_output(approx, "took 0.2 s\n")
+    with pytest.raises(pytest.fail.Exception):
+        check_output(approx, "took 0.1020 ms\n")
