@@ -27,6 +27,8 @@ class StepStats:
         lr: learning rate of the first parameter group used for this step.
         micro_batches: micro-batches this rank ran in the window, padding included.
         totals: ``window.totals`` when the Accumulator has ``counts=``; else empty.
+        retries: how many times ``window.run`` re-ran this window with a smaller micro-batch
+            size after an out-of-memory error (``micro_batch_size="auto"``); else 0.
     """
 
     loss: float
@@ -39,6 +41,7 @@ class StepStats:
     lr: float | None
     micro_batches: int
     totals: dict[str, float] = field(default_factory=dict)
+    retries: int = 0
 
     def __str__(self) -> str:
         if self.skipped:

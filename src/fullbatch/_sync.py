@@ -105,6 +105,13 @@ class Sync:
         """Whether this micro-batch allows only one backward (DDP reduces in the first)."""
         return False
 
+    def fsdp_modules(self) -> list[nn.Module]:
+        """The FSDP2 modules, whose forward all-gathers (``"auto"`` agrees before each)."""
+        return []
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget gradients the wrapper holds outside ``param.grad`` (an abandoned attempt)."""
+
 
 class _DDPSync(Sync):
     kind = "ddp"
@@ -196,6 +203,24 @@ class _FSDPSync(Sync):
     def end(self) -> None:
         self.model.set_requires_gradient_sync(True)
         self.model.set_is_last_backward(True)
+
+    def fsdp_modules(self) -> list[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule
+
+        modules: list[Any] = self.model.modules()
+        return [m for m in modules if isinstance(m, FSDPModule) and isinstance(m, nn.Module)]
+
+    def drop_unreduced_grads(self) -> None:
+        # Without gradient sync, FSDP2 accumulates unsharded gradients on its own FSDPParam
+        # objects (private in torch 2.6-2.13); zero_grad() does not reach them.
+        modules: list[Any] = self.fsdp_modules()
+        for module in modules:
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
