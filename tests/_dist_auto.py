@@ -64,3 +64,25 @@ def auto_train(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             out["micro"].append(stats.micro_batches)
     out["calls"] = threshold.calls
     return out
+
+
+def _bn_run(rank: int, size: int | str, fits: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(), Fits(fits)]
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(*layers, nn.Linear(HIDDEN, OUT)).double()
+    )
+    opt = make_optimizer(model.parameters())
+    snaps = []
+    options = {"batchnorm": "window", "ddp_sync": "step"}  # "auto" reduces at step() too
+    with fb.Accumulator(model, opt, micro_batch_size=size, **options) as acc:
+        for window in acc.windows(items(rank, [[8, 8, 6], [8, 6, 8]])):
+            window.run(lambda m: fb.cross_entropy_sum(model(m["x"]), m["y"]))
+            buffers = torch.cat([b.reshape(-1).double() for b in model.buffers()])
+            snaps.append((_full_params(model), buffers))
+    return snaps
+
+
+def auto_ddp_batchnorm(rank: int, world: int) -> dict[str, Any]:
+    """DDP broadcasts BatchNorm buffers in every forward: a collective "auto" must agree on."""
+    return {"auto": _bn_run(rank, "auto", [10**9, 3][rank]), "fixed": _bn_run(rank, 2, 10**9)}

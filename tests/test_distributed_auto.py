@@ -74,3 +74,12 @@ def test_out_of_memory_at_one_row_fails_every_rank(wrapper: str) -> None:
     assert "1 rows do not fit" in results[1].error
     assert not results[0].ok and results[0].error_type == "RuntimeError", results[0]
     assert "rank(s) [1] ran out of memory with micro-batches of one row" in results[0].error
+
+
+def test_ddp_with_broadcast_buffers_equals_the_found_size_from_the_start() -> None:
+    results = values(run_ranks(cases.auto_ddp_batchnorm, 2, pg_timeout=20))
+    for res in results:
+        assert len(res["auto"]) == len(res["fixed"]) == 3
+        for got, want, rank0 in zip(res["auto"], res["fixed"], results[0]["auto"], strict=True):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert torch.equal(got[0], rank0[0])  # BatchNorm buffers are per rank

@@ -12,7 +12,10 @@ Ranks agree on every re-run through a tiny all-gather of ``[oom, fatal, used]`` 
 - DDP: every micro-batch of an "auto" window runs unsynced and the gradients are all-reduced
   at ``step()`` (what ``ddp_sync="step"`` does). No collective runs inside a forward or
   backward, so a rank that runs out of memory can stop at any point; the agreement comes once,
-  at the end of the attempt, before the step's reduction.
+  at the end of the attempt, before the step's reduction. DDP broadcasts buffers
+  (``broadcast_buffers=True``) in a forward that follows a synchronized one: under "auto" only
+  the first forward of training (and of its re-runs, since the flag is restored); the ranks
+  agree before that forward too.
 - FSDP2: every forward all-gathers, so a rank cannot simply stop. The agreement runs before
   the forward of every FSDP module (a forward pre-hook placed ahead of FSDP's all-gather) and
   between ``fn`` and the backward: a rank that ran out of memory joins the next round with
@@ -137,6 +140,10 @@ class _Snapshot:
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
             for b in m.buffers(recurse=False)
         ]
+        # DDP decides whether a forward broadcasts buffers from the previous forward, in a
+        # post-forward step that a forward cut short by an OOM never reaches: put it back, or
+        # ranks disagree on the next broadcast.
+        self.forward_sync = getattr(acc.model, "require_forward_param_sync", None)
 
     def restore(self, acc: Accumulator) -> None:
         torch.set_rng_state(self.cpu)
@@ -147,6 +154,8 @@ class _Snapshot:
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
+        if self.forward_sync is not None:
+            acc.model.require_forward_param_sync = self.forward_sync
 
 
 def _attempt(
@@ -218,9 +227,14 @@ def run_auto(window: Window, fn: MicroBatchFn) -> StepStats:
     assert auto is not None and auto.stream is not None
     sync = acc._sync
     snapshot = _Snapshot(acc)
+
+    def agree_before_forward(*_: Any) -> None:
+        if sync.forward_collective():
+            _check_peers(sync)
+
     hooks = [
-        m.register_forward_pre_hook(lambda *_: _check_peers(sync), prepend=True)
-        for m in sync.fsdp_modules()
+        m.register_forward_pre_hook(agree_before_forward, prepend=True)
+        for m in sync.forward_collective_modules()
     ]
     retries = 0
     attempt = window
