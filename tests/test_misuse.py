@@ -90,9 +90,15 @@ def test_bad_micro_batch_numbers(s: Setup, name: str, value) -> None:
         fb.Accumulator(s.model, s.opt, **{name: value})
 
 
-def test_auto_micro_batch_size_names_window_run(s: Setup) -> None:
-    with pytest.raises(NotImplementedError, match=r"window\.run"):
-        fb.Accumulator(s.model, s.opt, micro_batch_size="auto")
+def test_auto_micro_batch_size_in_a_for_loop_names_window_run(s: Setup) -> None:
+    snap = s.snapshot()
+    with fb.Accumulator(s.model, s.opt, micro_batch_size="auto") as acc:
+        for window in acc.windows([s.batch]):
+            with pytest.raises(RuntimeError, match=r"window\.run\(fn\)|window\.run\("):
+                for _ in window:
+                    pass
+            window.discard()
+    s.assert_unchanged(snap)
 
 
 def test_drop_needs_micro_batches(s: Setup) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fullbatch._auto import AutoSize
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
@@ -91,9 +92,14 @@ class Accumulator:
         fsdp_sync: str = "window",
         grad_divisor: float | None = None,
     ) -> None:
-        self._micro_batches, self._micro_batch_size = check_window_size(
+        self._micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window
         )
+        # "auto": an OOM-adaptive size, only with window.run (see _auto.py).
+        self._auto = AutoSize.rows() if size == "auto" else None
+        self._micro_batch_size = size if isinstance(size, int) else None
+        if self._auto is not None:
+            ddp_sync = self._auto.ddp_sync(model, ddp_sync)
         check_options(
             max_grad_norm=max_grad_norm,
             counts=counts,
@@ -128,6 +134,16 @@ class Accumulator:
         """Optimizer steps taken so far."""
         self.skipped_windows = 0
         """Windows skipped so far (zero items, non-finite loss or gradient)."""
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Rows per micro-batch: the integer given, or where ``"auto"`` stands now.
+
+        With ``"auto"``: ``None`` before the first window; then the size the last window ran
+        with (its whole row count until an out-of-memory error set a limit; that limit
+        afterwards, or the window's rows when it has fewer). ``None`` with ``micro_batches``.
+        """
+        return self._auto.size if self._auto is not None else self._micro_batch_size
 
     # -- windows ---------------------------------------------------------------------------
 
@@ -180,9 +196,12 @@ class Accumulator:
             index += 1
 
     def _next_feed(self, stream: Stream) -> Feed:
-        if self._micro_batch_size is not None:
+        if self._micro_batch_size is not None or self._auto is not None:
             ok, item = stream.next()
-            micros = split_rows(item, self._micro_batch_size) if ok else []
+            if self._auto is not None:
+                micros = self._auto.split(item if ok else None, stream)
+            else:
+                micros = split_rows(item, self._micro_batch_size or 1) if ok else []
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window

@@ -56,21 +56,15 @@ def trained_params(
 
 def check_window_size(
     micro_batches: Any, micro_batch_size: Any, partial_window: str
-) -> tuple[int | None, int | None]:
-    """Exactly one of the two window sizes, as positive integers; the tail policy with it."""
+) -> tuple[int | None, int | str | None]:
+    """Exactly one of the two window sizes, as positive integers (or ``"auto"`` for the
+    micro-batch size); the tail policy with it."""
     if (micro_batches is None) == (micro_batch_size is None):
         raise ValueError(
             "give exactly one of micro_batches=K (the loader yields micro-batches, K per "
             "window) or micro_batch_size=M (each loader item is a window, split into rows "
             f"of M); got micro_batches={micro_batches!r}, "
             f"micro_batch_size={micro_batch_size!r}."
-        )
-    if micro_batch_size == "auto":
-        raise NotImplementedError(
-            "micro_batch_size='auto' needs an entry point where fullbatch calls your "
-            "per-micro-batch function (window.run(fn)), because Python does not hand an "
-            "exception raised in a `for` body back to the iterator; window.run is not "
-            "available yet. Give an integer micro_batch_size."
         )
     if partial_window not in ("step", "drop"):
         raise ValueError(f"partial_window must be 'step' or 'drop', got {partial_window!r}.")
@@ -82,6 +76,8 @@ def check_window_size(
         )
     if micro_batches is not None:
         return _positive_int("micro_batches", micro_batches), None
+    if micro_batch_size == "auto":
+        return None, "auto"
     return None, _positive_int("micro_batch_size", micro_batch_size)
 
 

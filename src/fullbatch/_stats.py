@@ -29,6 +29,8 @@ class StepStats:
         totals: ``window.totals`` when the Accumulator has ``counts=``; else empty.
         skipped_windows: windows skipped so far, this one included (each skip also warns, at
             the 1st, 2nd, 4th, 8th, ... skip).
+        retries: how many times ``window.run`` re-ran this window with a smaller micro-batch
+            size after an out-of-memory error (``micro_batch_size="auto"``); else 0.
     """
 
     loss: float
@@ -42,6 +44,7 @@ class StepStats:
     micro_batches: int
     totals: dict[str, float] = field(default_factory=dict)
     skipped_windows: int = 0
+    retries: int = 0
 
     def __str__(self) -> str:
         if self.skipped:

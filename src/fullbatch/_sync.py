@@ -105,6 +105,17 @@ class Sync:
         """Whether this micro-batch allows only one backward (DDP reduces in the first)."""
         return False
 
+    def forward_collective_modules(self) -> list[nn.Module]:
+        """Modules whose forward may start with a collective (``"auto"`` agrees before it)."""
+        return []
+
+    def forward_collective(self) -> bool:
+        """Whether the coming forward of those modules starts with a collective."""
+        return True
+
+    def drop_unreduced_grads(self) -> None:
+        """Forget gradients the wrapper holds outside ``param.grad`` (an abandoned attempt)."""
+
 
 class _DDPSync(Sync):
     kind = "ddp"
@@ -144,6 +155,14 @@ class _DDPSync(Sync):
         if self._saved is not None:
             self.model.require_backward_grad_sync = self._saved
             self._saved = None
+
+    def forward_collective_modules(self) -> list[nn.Module]:
+        # With broadcast_buffers, DDP broadcasts rank 0's buffers at the start of a forward
+        # that follows a synchronized one: under "auto" (never synchronized), the first.
+        return [self.model] if self.forward_collective() else []
+
+    def forward_collective(self) -> bool:
+        return bool(self.model.will_sync_module_buffers())
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         bucket_bytes = 25 * 1024 * 1024
@@ -196,6 +215,25 @@ class _FSDPSync(Sync):
     def end(self) -> None:
         self.model.set_requires_gradient_sync(True)
         self.model.set_is_last_backward(True)
+
+    def forward_collective_modules(self) -> list[nn.Module]:
+        # Every FSDP2 module all-gathers its parameters before its forward.
+        from torch.distributed.fsdp import FSDPModule
+
+        modules: list[Any] = self.model.modules()
+        return [m for m in modules if isinstance(m, FSDPModule) and isinstance(m, nn.Module)]
+
+    def drop_unreduced_grads(self) -> None:
+        # Without gradient sync, FSDP2 accumulates unsharded gradients on its own FSDPParam
+        # objects (private in torch 2.6-2.13); zero_grad() does not reach them.
+        modules: list[Any] = self.forward_collective_modules()
+        for module in modules:
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +67,7 @@ class Window:
         self._count_py = 0.0
         self._device_counts: list[torch.Tensor] = []
         self._seeds: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._by_run = False  # iterated by window.run (needed by micro_batch_size="auto")
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -77,6 +78,14 @@ class Window:
                 "micro-batches once. Keep them in a list inside the loop if you need them again."
             )
         self._iterated = True
+        if self._acc._auto is not None and not self._by_run:
+            raise RuntimeError(
+                "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
+                "per-micro-batch function to catch an out-of-memory error, and Python does not "
+                "hand an exception raised in a `for` body back to the iterator. Write "
+                "`stats = window.run(lambda micro: fb.cross_entropy_sum(model(micro['x']), "
+                "micro['y']))`, or give an integer micro_batch_size."
+            )
         return self
 
     def __next__(self) -> Any:
@@ -246,6 +255,41 @@ class Window:
         counts = torch.stack([c.to(device, dtype) for c in self._device_counts])
         bad = (~torch.isfinite(counts) | (counts < 0)).sum().to(dtype)
         return loss, counts.sum(), bad
+
+    # -- the whole window in one call ----------------------------------------------------------
+
+    def run(self, fn: Callable[[Any], Any]) -> StepStats:
+        """Run ``fn`` on every micro-batch, backpropagate what it returns, and step.
+
+        The same machinery as the plain loop (sync, counts, padding micro-batches, skips):
+        ``fn`` runs on padding micro-batches too (``window.is_padding`` tells). It is the
+        entry point ``micro_batch_size="auto"`` needs: on ``torch.OutOfMemoryError`` the
+        window is re-run from its start with half the micro-batch size.
+
+        Args:
+            fn: ``fn(micro) -> (loss_sum, count)``, as passed to :meth:`backward`; with
+                ``counts=`` on the Accumulator it may instead return a 0-dim share already
+                divided by a ``window.totals`` entry.
+
+        Returns:
+            The window's :class:`StepStats` (``retries``: re-runs of the window under "auto").
+
+        Raises:
+            ValueError: ``fn`` returned something else, or what :meth:`backward` refuses.
+            Exception: whatever ``fn`` raises propagates after the window is abandoned on this
+                rank (gradients cleared, sync flags restored; no collective: the other ranks
+                fail at their next collective, as with the plain loop).
+
+        Example::
+
+            for window in acc.windows(loader):
+                stats = window.run(lambda m: fb.cross_entropy_sum(model(m["x"]), m["y"]))
+        """
+        from fullbatch._run import run_window
+
+        self._check_open("run()")
+        self._by_run = True
+        return run_window(self, fn)
 
     # -- the end of the window -------------------------------------------------------------
 
