@@ -11,7 +11,8 @@ from torch import nn
 
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
-from fullbatch._options import check_options, check_window_size, trained_params
+from fullbatch._options import check_options, check_packing, check_window_size, trained_params
+from fullbatch._pack import Lengths, Packer
 from fullbatch._split import split_rows
 from fullbatch._stats import StepStats
 from fullbatch._step import discard_window, step_window
@@ -35,7 +36,22 @@ class Accumulator:
         micro_batches: the loader yields micro-batches; this many per rank make a window.
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
-            Exactly one of ``micro_batches`` and ``micro_batch_size`` is given.
+            Exactly one of ``micro_batches``, ``micro_batch_size`` and ``micro_batch_tokens``
+            is given.
+        micro_batch_tokens: the loader yields whole windows; each window's rows are sorted by
+            length (longest first) and cut into micro-batches of at most this many padded
+            tokens (rows x longest row), each trimmed to its own longest row. A row longer
+            than the budget is a micro-batch of its own (warned once). Exact: regrouping rows
+            and cutting trailing padding change nothing but rounding.
+        sort_rows: with ``micro_batch_size``: sort each window's rows by length first and trim
+            each micro-batch to its own longest row (same rows per micro-batch, less padding).
+        lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
+            loader item whose nonzero entries per row count the real tokens (default
+            ``"attention_mask"``, right padding), or ``fn(item) -> 1-D integer tensor``.
+            Tensors whose dimension 1 is the window's padded length are trimmed; other
+            tensors with rows first follow their rows; other leaves go to every micro-batch.
+            A mask that is not right-padded (left padding) is regrouped but not trimmed
+            (still exact; warned once). A missing key raises ``ValueError``.
         scheduler: stepped once per optimizer step (not on skipped windows).
         scaler: a ``torch.amp.GradScaler``; scales each backward, unscales before clipping,
             updated once per window.
@@ -89,9 +105,20 @@ class Accumulator:
         ddp_sync: str = "last",
         fsdp_sync: str = "window",
         grad_divisor: float | None = None,
+        micro_batch_tokens: int | str | None = None,
+        sort_rows: bool = False,
+        lengths: Lengths = "attention_mask",
     ) -> None:
         self._micro_batches, self._micro_batch_size = check_window_size(
-            micro_batches, micro_batch_size, partial_window
+            micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
+        )
+        tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
+        self._packer = (
+            Packer(micro_batch_size=self._micro_batch_size, lengths=lengths)
+            if sort_rows
+            else Packer(micro_batch_tokens=tokens, lengths=lengths)
+            if tokens is not None
+            else None
         )
         check_options(
             max_grad_norm=max_grad_norm,
@@ -160,9 +187,9 @@ class Accumulator:
             index += 1
 
     def _next_feed(self, stream: Stream) -> Feed:
-        if self._micro_batch_size is not None:
+        if self._micro_batches is None:  # each loader item is a window
             ok, item = stream.next()
-            micros = split_rows(item, self._micro_batch_size) if ok else []
+            micros = self._split(item) if ok else []
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window
@@ -178,6 +205,12 @@ class Accumulator:
         else:
             feed.lookahead()
         return feed
+
+    def _split(self, item: Any) -> list[Any]:
+        if self._packer is not None:
+            return self._packer(item)
+        assert self._micro_batch_size is not None
+        return split_rows(item, self._micro_batch_size)
 
     def _start_window(
         self, feed: Feed, stream: Stream
