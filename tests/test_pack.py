@@ -8,6 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fullbatch as fb
 from conftest import (
@@ -286,3 +288,36 @@ def test_packer_direct_and_empty() -> None:
     micros = Packer(micro_batch_tokens=4)(all_pad)
     assert [tuple(m["x"].shape) for m in micros] == [(2, 1)]  # never narrower than 1
     assert PAD_ID == 0
+
+
+# -- properties ------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=12),
+    extra=st.integers(0, 4),
+    tokens=st.integers(1, 60),
+    size=st.integers(1, 13),
+)
+def test_packer_properties(lengths: list[int], extra: int, tokens: int, size: int) -> None:
+    """Every row exactly once, each micro-batch trimmed to its longest row, budgets kept."""
+    width = max(max(lengths), 1) + extra
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    item = {"attention_mask": mask, "row": torch.arange(len(lengths)), "tag": "t"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        by_tokens = Packer(micro_batch_tokens=tokens)(item)
+    by_rows = Packer(micro_batch_size=size)(item)
+    for micros in (by_tokens, by_rows):
+        assert sorted(int(r) for m in micros for r in m["row"]) == list(range(len(lengths)))
+        for m in micros:
+            assert m["tag"] == "t"
+            assert torch.equal(m["attention_mask"].sum(1), mask[m["row"]].sum(1))
+            assert m["attention_mask"].shape[1] == max(int(m["attention_mask"].sum(1).max()), 1)
+    for m in by_tokens:
+        rows, w = m["attention_mask"].shape
+        assert rows * w <= tokens or rows == 1
+    assert all(m["row"].shape[0] == size for m in by_rows[:-1])
+    longest = [int(m["attention_mask"].sum(1).max()) for m in by_tokens]
+    assert longest == sorted(longest, reverse=True)
