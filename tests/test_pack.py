@@ -236,6 +236,7 @@ def test_missing_lengths_key_names_the_fix() -> None:
         lambda b: torch.tensor([1, 2]),
         lambda b: torch.tensor([1, 2, 9]),
         lambda b: torch.tensor([[1, 2, 3]]),
+        lambda b: torch.tensor([True, False, True]),
     ],
 )
 def test_bad_lengths_callable(bad) -> None:

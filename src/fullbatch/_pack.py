@@ -156,6 +156,7 @@ class Packer:
             or value.dim() != 1
             or value.dtype.is_floating_point
             or value.is_complex()
+            or value.dtype == torch.bool
             or value.shape[0] != rows
         ):
             shown = (
