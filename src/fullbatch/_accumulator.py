@@ -12,7 +12,7 @@ from torch import nn
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
-from fullbatch._pack import Lengths, Packer
+from fullbatch._pack import Lengths, make_packer
 from fullbatch._split import split_rows
 from fullbatch._stats import StepStats
 from fullbatch._step import discard_window, step_window
@@ -113,13 +113,7 @@ class Accumulator:
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
         )
         tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
-        self._packer = (
-            Packer(micro_batch_size=self._micro_batch_size, lengths=lengths)
-            if sort_rows
-            else Packer(micro_batch_tokens=tokens, lengths=lengths)
-            if tokens is not None
-            else None
-        )
+        self._packer = make_packer(self._micro_batch_size, tokens, sort_rows, lengths)
         check_options(
             max_grad_norm=max_grad_norm,
             counts=counts,

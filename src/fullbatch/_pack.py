@@ -31,7 +31,7 @@ import torch
 
 from fullbatch._split import count_rows
 
-__all__ = ["Lengths", "Packer"]
+__all__ = ["Lengths", "Packer", "make_packer"]
 
 Lengths = str | Callable[[Any], Any]
 
@@ -214,6 +214,17 @@ class Packer:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, stacklevel=4)
+
+
+def make_packer(
+    micro_batch_size: int | None, micro_batch_tokens: int | None, sort_rows: bool, lengths: Lengths
+) -> Packer | None:
+    """The Accumulator's packer for checked options, or None for plain ``split_rows``."""
+    if micro_batch_tokens is not None:
+        return Packer(micro_batch_tokens=micro_batch_tokens, lengths=lengths)
+    if sort_rows:
+        return Packer(micro_batch_size=micro_batch_size, lengths=lengths)
+    return None
 
 
 def _take(
