@@ -322,3 +322,13 @@ def test_packer_properties(lengths: list[int], extra: int, tokens: int, size: in
     assert all(m["row"].shape[0] == size for m in by_rows[:-1])
     longest = [int(m["attention_mask"].sum(1).max()) for m in by_tokens]
     assert longest == sorted(longest, reverse=True)
+
+
+def test_contract_names_are_keyword_only_with_their_defaults() -> None:
+    import inspect
+
+    sig = inspect.signature(fb.Accumulator).parameters
+    defaults = {"micro_batch_tokens": None, "sort_rows": False, "lengths": "attention_mask"}
+    for name, default in defaults.items():
+        assert sig[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert sig[name].default == default, name
