@@ -151,3 +151,57 @@ def test_other_errors_propagate_without_retry() -> None:
             with pytest.raises(KeyError):
                 window.run(fn)
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- micro_batch_tokens="auto": the same machinery, with a token budget that halves ----------
+
+
+class TokenLM(nn.Module):
+    """A causal toy LM that runs out of memory above ``tokens`` padded tokens per forward."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(17, 8)
+        self.out = nn.Linear(8, 17)
+        self.tokens = tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() > self.tokens:
+            raise torch.OutOfMemoryError(f"{ids.numel()} tokens do not fit ({self.tokens})")
+        return self.out(torch.tanh(self.embed(ids)))
+
+
+def test_micro_batch_tokens_auto_equals_the_found_budget_and_the_full_batch() -> None:
+    from conftest import lm_batch, rel_err
+
+    data = [lm_batch([9, 3, 12, 5, 7, 2, 11, 4], seed=s, width=16) for s in range(3)]
+    found = []
+
+    def run(budget):
+        model = TokenLM(tokens=20).double()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = params(model)
+        out = []
+        with fb.Accumulator(model, opt, micro_batch_tokens=budget) as acc:
+            assert acc.micro_batch_tokens == (None if budget == "auto" else budget)
+            for window in acc.windows(data[:1]):
+                out.append(
+                    window.run(lambda m: fb.causal_lm_loss(model(m["input_ids"]), m["labels"]))
+                )
+                found.append(acc.micro_batch_tokens)
+        return out, [b - a for b, a in zip(before, params(model), strict=True)]
+
+    stats, update = run("auto")
+    budget = found[0]
+    assert budget is not None and budget <= 20 < 2 * budget  # within 2x of what fits
+    assert stats[0].retries >= 1
+    fixed_stats, fixed_update = run(budget)
+    assert _equal(update, fixed_update) and fixed_stats[0].retries == 0
+    ref_model = TokenLM(tokens=10**6).double()
+    batch = data[0]
+    logits = ref_model(batch["input_ids"])
+    torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 17), batch["labels"][:, 1:].reshape(-1)
+    ).backward()
+    assert rel_err(update, [p.grad for p in ref_model.parameters()]) < 1e-10

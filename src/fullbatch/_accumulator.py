@@ -9,12 +9,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fullbatch._auto import AutoSize
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
-from fullbatch._options import check_options, check_window_size, trained_params
-from fullbatch._split import split_rows
+from fullbatch._options import check_options, check_packing, check_window_size, trained_params
+from fullbatch._pack import Lengths, make_splitter
 from fullbatch._stats import StepStats
 from fullbatch._step import abandon_window, discard_window, step_window
 from fullbatch._sync import make_sync
@@ -37,7 +36,22 @@ class Accumulator:
         micro_batches: the loader yields micro-batches; this many per rank make a window.
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
-            Exactly one of ``micro_batches`` and ``micro_batch_size`` is given.
+            Exactly one of ``micro_batches``, ``micro_batch_size`` and ``micro_batch_tokens``
+            is given.
+        micro_batch_tokens: the loader yields whole windows; each window's rows are sorted by
+            length (longest first) and cut into micro-batches of at most this many padded
+            tokens (rows x longest row), each trimmed to its own longest row. A row longer
+            than the budget is a micro-batch of its own (warned once). Exact: regrouping rows
+            and cutting trailing padding change nothing but rounding.
+        sort_rows: with ``micro_batch_size``: sort each window's rows by length first and trim
+            each micro-batch to its own longest row (same rows per micro-batch, less padding).
+        lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
+            loader item whose nonzero entries per row count the real tokens (default
+            ``"attention_mask"``, right padding), or ``fn(item) -> 1-D integer tensor``.
+            Tensors whose dimension 1 is the window's padded length are trimmed; other
+            tensors with rows first follow their rows; other leaves go to every micro-batch.
+            A mask that is not right-padded (left padding) is regrouped but not trimmed
+            (still exact; warned once). A missing key raises ``ValueError``.
         scheduler: stepped once per optimizer step (not on skipped windows).
         scaler: a ``torch.amp.GradScaler``; scales each backward, unscales before clipping,
             updated once per window.
@@ -91,13 +105,18 @@ class Accumulator:
         ddp_sync: str = "last",
         fsdp_sync: str = "window",
         grad_divisor: float | None = None,
+        micro_batch_tokens: int | str | None = None,
+        sort_rows: bool = False,
+        lengths: Lengths = "attention_mask",
     ) -> None:
         self._micro_batches, size = check_window_size(
-            micro_batches, micro_batch_size, partial_window
+            micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
         )
-        # "auto": an OOM-adaptive size, only with window.run (see _auto.py).
-        self._auto = AutoSize.rows() if size == "auto" else None
+        tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
         self._micro_batch_size = size if isinstance(size, int) else None
+        self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
+        # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run only).
+        self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
         if self._auto is not None:
             ddp_sync = self._auto.ddp_sync(model, ddp_sync)
         check_options(
@@ -143,7 +162,20 @@ class Accumulator:
         with (its whole row count until an out-of-memory error set a limit; that limit
         afterwards, or the window's rows when it has fewer). ``None`` with ``micro_batches``.
         """
-        return self._auto.size if self._auto is not None else self._micro_batch_size
+        if self._auto is not None and self._auto.kind == "rows":
+            return self._auto.size
+        return self._micro_batch_size
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """Padded tokens per micro-batch: the budget given, or where ``"auto"`` stands now.
+
+        With ``micro_batch_tokens="auto"``: ``None`` before the first window, then the budget
+        the last window ran with. ``None`` when micro-batches are sized in rows.
+        """
+        if self._auto is not None and self._auto.kind == "tokens":
+            return self._auto.size
+        return self._micro_batch_tokens
 
     # -- windows ---------------------------------------------------------------------------
 
@@ -196,12 +228,12 @@ class Accumulator:
             index += 1
 
     def _next_feed(self, stream: Stream) -> Feed:
-        if self._micro_batch_size is not None or self._auto is not None:
+        if self._micro_batches is None:  # each loader item is a window
             ok, item = stream.next()
             if self._auto is not None:
                 micros = self._auto.split(item if ok else None, stream)
             else:
-                micros = split_rows(item, self._micro_batch_size or 1) if ok else []
+                micros = self._split(item) if ok else []
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window

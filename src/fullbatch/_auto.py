@@ -60,7 +60,13 @@ class AutoSize:
         cut: ``cut(item, size)`` -> micro-batches of at most ``size``.
     """
 
-    def __init__(self, whole: Callable[[Any], int], cut: Callable[[Any, int], list[Any]]) -> None:
+    def __init__(
+        self,
+        whole: Callable[[Any], int],
+        cut: Callable[[Any, int], list[Any]],
+        kind: str = "rows",
+    ) -> None:
+        self.kind = kind  # "rows" (micro_batch_size) or "tokens" (micro_batch_tokens)
         self._whole = whole
         self._cut = cut
         self.limit: int | None = None  # None: whole windows (no OOM seen yet)

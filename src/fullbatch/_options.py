@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_options", "check_window_size", "trained_params"]
+__all__ = ["check_options", "check_packing", "check_window_size", "trained_params"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -55,16 +55,25 @@ def trained_params(
 
 
 def check_window_size(
-    micro_batches: Any, micro_batch_size: Any, partial_window: str
+    micro_batches: Any,
+    micro_batch_size: Any,
+    partial_window: str,
+    *,
+    micro_batch_tokens: Any = None,
 ) -> tuple[int | None, int | str | None]:
-    """Exactly one of the two window sizes, as positive integers (or ``"auto"`` for the
-    micro-batch size); the tail policy with it."""
-    if (micro_batches is None) == (micro_batch_size is None):
+    """Exactly one of the three window sizes, as positive integers (or ``"auto"`` for the
+    micro-batch size); the tail policy with it.
+
+    With ``micro_batch_tokens`` (checked by :func:`check_packing`) the size returned is None.
+    """
+    given = [micro_batches, micro_batch_size, micro_batch_tokens]
+    if sum(v is not None for v in given) != 1:
         raise ValueError(
             "give exactly one of micro_batches=K (the loader yields micro-batches, K per "
-            "window) or micro_batch_size=M (each loader item is a window, split into rows "
-            f"of M); got micro_batches={micro_batches!r}, "
-            f"micro_batch_size={micro_batch_size!r}."
+            "window), micro_batch_size=M (each loader item is a window, split into rows "
+            "of M) or micro_batch_tokens=T (each loader item is a window, cut into "
+            f"micro-batches of at most T padded tokens); got micro_batches={micro_batches!r}, "
+            f"micro_batch_size={micro_batch_size!r}, micro_batch_tokens={micro_batch_tokens!r}."
         )
     if partial_window not in ("step", "drop"):
         raise ValueError(f"partial_window must be 'step' or 'drop', got {partial_window!r}.")
@@ -76,9 +85,39 @@ def check_window_size(
         )
     if micro_batches is not None:
         return _positive_int("micro_batches", micro_batches), None
+    if micro_batch_tokens is not None:
+        return None, None
     if micro_batch_size == "auto":
         return None, "auto"
     return None, _positive_int("micro_batch_size", micro_batch_size)
+
+
+def check_packing(
+    micro_batch_size: Any, micro_batch_tokens: Any, sort_rows: Any, lengths: Any
+) -> int | str | None:
+    """The length-aware options (after :func:`check_window_size`); the token budget or None."""
+    if not isinstance(sort_rows, bool):
+        raise ValueError(f"sort_rows must be True or False, got {sort_rows!r}.")
+    if sort_rows and micro_batch_size is None:
+        raise ValueError(
+            "sort_rows=True sorts each window's rows by length before cutting it into "
+            "micro_batch_size=M rows; give micro_batch_size=M with it (micro_batch_tokens=T "
+            f"always sorts, micro_batches=K never splits); got micro_batch_size=None, "
+            f"micro_batch_tokens={micro_batch_tokens!r}."
+        )
+    if not (isinstance(lengths, str) or callable(lengths)):
+        raise ValueError(
+            f"lengths must be a key of the loader item (e.g. 'attention_mask') or a callable "
+            f"fn(item) -> 1-D integer tensor of row lengths, got {lengths!r}."
+        )
+    if lengths != "attention_mask" and not sort_rows and micro_batch_tokens is None:
+        raise ValueError(
+            f"lengths={lengths!r} is used only to sort and trim rows: give "
+            "micro_batch_tokens=T, or micro_batch_size=M with sort_rows=True."
+        )
+    if micro_batch_tokens is None or micro_batch_tokens == "auto":
+        return micro_batch_tokens
+    return _positive_int("micro_batch_tokens", micro_batch_tokens)
 
 
 def check_options(

@@ -1,0 +1,327 @@
+"""How a window's rows are grouped into micro-batches: time, padding, memory and exactness.
+
+    pip install -e .[bench]
+    python benchmarks/split.py --windows 10            # CPU
+    python benchmarks/split.py --windows 10 --device cuda
+
+Real variable-length text: docstrings of the Python standard library (read with ``ast``, never
+imported), as UTF-8 bytes capped at 512 tokens; windows of 64 rows, each right-padded to its
+longest row as a loader yields it; a tiny Llama (~0.9M parameters) built from a config, float32.
+Every arm computes one window's gradient from the same parameters (SGD with lr=0, so the
+parameters never move and every window is compared at the same point):
+
+  (a) fullbatch, micro_batch_size=8: 8-row micro-batches that keep the window's padding
+  (b) the usual hand loop: 8-row micro-batches, each padded to its own longest row, loss_sum / N
+  (c) Hugging Face Accelerate's documented accumulate() on (b)'s micro-batches (loss / K)
+  (d) fullbatch, micro_batch_size=8, sort_rows=True
+  (e) fullbatch, micro_batch_tokens=8*512
+
+Arms alternate window by window in one process; the table shows medians over windows.
+Gradient error: ||g - g_full|| / ||g_full|| against the whole window in one float32 forward and
+backward (same window, same parameters). Peak memory: the window's peak resident set size over
+its start (Linux VmHWM, reset per window; glibc's cache is trimmed first) on CPU;
+``torch.cuda.max_memory_allocated`` over the start on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fullbatch as fb
+from fullbatch._demo._corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, encode_bytes, read_corpus
+from fullbatch._demo._corpus import make_batches as pad_windows
+
+ROWS, MICRO, MAX_LEN = 64, 8, 512
+Batch = dict[str, torch.Tensor]
+Run = Callable[[Batch, "Tally"], None]
+Arm = tuple[Run, torch.optim.Optimizer]
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_LEN,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+class Memory:
+    """Peak memory of one window over its start, in MiB."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._libc = None if self.cuda else ctypes.CDLL("libc.so.6")
+
+    def _rss(self, field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {field} in /proc/self/status")
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return
+        assert self._libc is not None
+        self._libc.malloc_trim(0)  # hand freed memory back, so the next window's peak shows
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM, the peak resident set size
+        self._base = self._rss("VmRSS:")
+
+    def peak(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self._base) / 2**20
+        return (self._rss("VmHWM:") - self._base) / 2**20
+
+
+# -- the arms --------------------------------------------------------------------------------
+
+
+class Tally:
+    """What one arm computed in one window."""
+
+    def __init__(self) -> None:
+        self.computed = 0
+        self.micro_batches = 0
+
+    def saw(self, micro: Batch) -> None:
+        self.computed += micro["input_ids"].numel()
+        self.micro_batches += 1
+
+
+def logits(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
+    return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
+
+
+def own_width(window: Batch) -> list[Batch]:
+    """(b)/(c): consecutive 8-row micro-batches, each cut to its own longest row."""
+    out = []
+    for i in range(0, window["input_ids"].shape[0], MICRO):
+        micro = {k: v[i : i + MICRO] for k, v in window.items()}
+        width = int(micro["attention_mask"].sum(1).max())
+        out.append({k: v[:, :width] for k, v in micro.items()})
+    return out
+
+
+def fullbatch_arm(model: torch.nn.Module, **options: Any) -> Arm:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = fb.Accumulator(model, opt, **options)
+
+    def run(window: Batch, tally: Tally) -> None:
+        for w in acc.windows([window]):
+            for micro in w:
+                tally.saw(micro)
+                w.backward(*fb.causal_lm_loss(logits(model, micro), micro["labels"]))
+            w.step()
+
+    return run, opt
+
+
+def hand_loop(model: torch.nn.Module) -> Arm:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run(window: Batch, tally: Tally) -> None:
+        n = fb.count_tokens(window["labels"])
+        for micro in own_width(window):
+            tally.saw(micro)
+            loss_sum, _ = fb.causal_lm_loss(logits(model, micro), micro["labels"])
+            (loss_sum / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run, opt
+
+
+def accelerate_arm(model: torch.nn.Module, device: torch.device) -> Arm:
+    from accelerate import Accelerator
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    accelerator = Accelerator(gradient_accumulation_steps=ROWS // MICRO, cpu=device.type == "cpu")
+    prepared, prepared_opt = accelerator.prepare(model, opt)
+
+    def run(window: Batch, tally: Tally) -> None:
+        for micro in own_width(window):  # Accelerate's documented loop
+            tally.saw(micro)
+            with accelerator.accumulate(prepared):
+                outputs = prepared(**micro)
+                loss = outputs.loss
+                accelerator.backward(loss)
+                prepared_opt.step()
+                prepared_opt.zero_grad()
+
+    return run, opt
+
+
+def record_grads(opt: torch.optim.Optimizer, into: list[list[torch.Tensor]]) -> None:
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        into.append([p.grad.detach().clone() for g in opt.param_groups for p in g["params"]])
+
+    opt.register_step_pre_hook(hook)
+
+
+def full_batch_grads(model: torch.nn.Module, window: Batch) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss_sum, n = fb.causal_lm_loss(logits(model, window), window["labels"])
+    (loss_sum / n).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def rel_norm(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    pairs = zip(got, want, strict=True)
+    diff = sum(float((g.double() - w.double()).square().sum()) for g, w in pairs)
+    return (diff / sum(float(w.double().square().sum()) for w in want)) ** 0.5
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def auto_row() -> str:
+    """The cost of ``"auto"`` finding its size, once it exists (another engineer builds it)."""
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    try:
+        fb.Accumulator(model, opt, micro_batch_tokens="auto").close()
+    except NotImplementedError:
+        return (
+            "(f) micro_batch_tokens='auto': not measured yet - 'auto' (window.run(fn), OOM "
+            "recovery) is being built by another engineer; this row will report the seconds "
+            "and retries it spends finding its size on the first window."
+        )
+    return "(f) micro_batch_tokens='auto' exists now: add its arm (window.run(fn), stats.retries)."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="windows run but not counted")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    n_windows = args.windows + args.warmup
+    corpus = read_corpus(
+        n_windows * ROWS, seed=args.seed, encode=lambda t: encode_bytes(t, max_length=MAX_LEN)
+    )
+    windows = [
+        {k: v.to(device) for k, v in w.items()}
+        for w in pad_windows(corpus.rows, batch_size=ROWS, pad_id=PAD_ID)
+    ]
+    base = tiny_llama(args.seed).to(device)
+    base.eval()  # no dropout: every arm computes the same function
+    arms: dict[str, Arm] = {
+        "(a) micro_batch_size=8": fullbatch_arm(copy.deepcopy(base), micro_batch_size=MICRO),
+        "(b) hand loop, own width": hand_loop(copy.deepcopy(base)),
+        "(c) Accelerate accumulate()": accelerate_arm(copy.deepcopy(base), device),
+        "(d) size=8, sort_rows=True": fullbatch_arm(
+            copy.deepcopy(base), micro_batch_size=MICRO, sort_rows=True
+        ),
+        "(e) micro_batch_tokens=8*512": fullbatch_arm(
+            copy.deepcopy(base), micro_batch_tokens=MICRO * MAX_LEN
+        ),
+    }
+    grads: dict[str, list[list[torch.Tensor]]] = {name: [] for name in arms}
+    for name, (_, opt) in arms.items():
+        record_grads(opt, grads[name])
+    rows: dict[str, dict[str, list[float]]] = {
+        name: {"s": [], "cpu": [], "real": [], "mb": [], "mem": [], "err": []} for name in arms
+    }
+    memory = Memory(device)
+    for index, window in enumerate(windows):
+        real = int(window["attention_mask"].sum())
+        want = full_batch_grads(base, window) if index >= args.warmup else None
+        order = list(arms) if index % 2 == 0 else list(reversed(arms))  # alternate the order
+        for name in order:
+            tally = Tally()
+            memory.start()
+            sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            arms[name][0](window, tally)
+            sync(device)
+            seconds = time.perf_counter() - start
+            cpu = time.process_time() - cpu_start
+            peak = memory.peak()
+            if want is None:
+                continue
+            row = rows[name]
+            row["s"].append(seconds)
+            row["cpu"].append(cpu)
+            row["real"].append(real / tally.computed)
+            row["mb"].append(tally.micro_batches)
+            row["mem"].append(peak)
+            row["err"].append(rel_norm(grads[name][-1], want))
+        print(f"window {index + 1}/{n_windows} done", flush=True)
+
+    params = sum(p.numel() for p in base.parameters())
+    print(
+        f"\n{args.windows} windows of {ROWS} rows (+{args.warmup} warm-up), standard-library "
+        f"docstrings as bytes capped at {MAX_LEN}, corpus {corpus.digest}; tiny Llama "
+        f"{params / 1e6:.2f}M parameters, float32, {device}"
+        + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
+        + f"; seed {args.seed}; medians over windows"
+    )
+    mem_name = "peak MiB (RSS)" if device.type == "cpu" else "peak MiB (CUDA)"
+    header = (
+        f"{'arm':30s} {'s/window':>9s} {'vs (b)':>7s} {'CPU s':>7s} {'vs (b)':>7s} "
+        f"{'real/computed':>14s} "
+        f"{'micro-batches':>14s} {mem_name:>15s} {'grad error':>11s}"
+    )
+    print(header)
+    print("-" * len(header))
+    ref_time = statistics.median(rows["(b) hand loop, own width"]["s"])
+    ref_cpu = statistics.median(rows["(b) hand loop, own width"]["cpu"])
+    for name, row in rows.items():
+        t, c = statistics.median(row["s"]), statistics.median(row["cpu"])
+        print(
+            f"{name:30s} {t:9.3f} {ref_time / t:6.2f}x {c:7.3f} {ref_cpu / c:6.2f}x "
+            f"{statistics.median(row['real']):13.0%} "
+            f"{statistics.median(row['mb']):14.1f} {statistics.median(row['mem']):15.1f} "
+            f"{statistics.median(row['err']):11.1e}"
+        )
+    print(auto_row())
+    print(
+        "s/window: wall clock; CPU s: this process's CPU time (less sensitive to other load "
+        "on the machine). vs (b): how many times faster than the hand loop. grad error: "
+        "||g - g_full|| / ||g_full|| against the whole window in one forward/backward "
+        "(float32)."
+    )
+
+
+if __name__ == "__main__":
+    main()

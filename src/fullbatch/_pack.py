@@ -1,0 +1,297 @@
+"""Length-aware micro-batches: one loader item (a whole window) sorted by row length, cut by
+rows (``sort_rows=True``) or by a token budget (``micro_batch_tokens``), each micro-batch
+trimmed to its own longest row.
+
+Why it is exact: the full-batch gradient is a sum over rows, so regrouping a window's rows
+changes nothing but rounding; trimming removes only trailing padding columns, which a causal
+model with right padding never lets a real position see.
+
+Rules (DESIGN.md, "Contract, part 2"):
+
+- Row lengths come from ``lengths``: a key (default ``"attention_mask"``) whose 2-D tensor's
+  nonzero entries per row are the lengths (a 1-D integer tensor under that key is taken as the
+  lengths themselves), or ``fn(item) -> 1-D integer tensor``.
+- The window's padded length ``L`` is dimension 1 of the 2-D key; with a callable or a 1-D
+  key, dimension 1 of the first tensor leaf with two or more dimensions (``input_ids`` in a
+  tokenizer's output). Every tensor whose dimension 1 is ``L`` is trimmed; other tensors with
+  the row count first follow their rows; 0-dim tensors and non-tensor leaves go unchanged to
+  every micro-batch.
+- A window whose mask is not right-padded (not ``1...10...0`` in every row: left padding) is
+  regrouped but **not trimmed**: the step stays exact, only the speed-up is lost (warned once).
+- A row longer than the token budget is a micro-batch of its own (warned once).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fullbatch._split import collate_rows, count_rows, split_rows
+
+if TYPE_CHECKING:
+    from fullbatch._auto import AutoSize
+
+__all__ = ["Lengths", "Packer", "make_splitter"]
+
+Lengths = str | Callable[[Any], Any]
+
+
+def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensor_leaves(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in _tensor_leaves(value)]
+    return []
+
+
+def _rebuild(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor leaf; containers keep their type."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        built = {k: _rebuild(v, fn) for k, v in batch.items()}
+        try:
+            return type(batch)(built)  # type: ignore[call-arg]
+        except TypeError:  # a Mapping that cannot be built from a dict
+            return built
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(_rebuild(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_rebuild(v, fn) for v in batch)
+    return batch
+
+
+class Packer:
+    """Turns one window item into length-aware micro-batches; warns at most once per kind.
+
+    Exactly one of ``micro_batch_size`` (fixed rows, sorted) and ``micro_batch_tokens`` (a
+    budget of ``rows x longest row`` padded tokens) is given.
+
+    >>> import torch
+    >>> mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    >>> item = {"input_ids": mask * 7, "attention_mask": mask, "w": torch.tensor([1.0, 2.0, 3.0])}
+    >>> micros = Packer(micro_batch_tokens=4)(item)
+    >>> [tuple(m["input_ids"].shape) for m in micros], [m["w"].tolist() for m in micros]
+    ([(1, 4), (2, 2)], [[2.0], [3.0, 1.0]])
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
+        lengths: Lengths = "attention_mask",
+    ) -> None:
+        if (micro_batch_size is None) == (micro_batch_tokens is None):
+            raise ValueError("Packer needs exactly one of micro_batch_size, micro_batch_tokens.")
+        self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.lengths = lengths
+        self._warned: set[str] = set()
+
+    def __call__(self, item: Any) -> list[Any]:
+        """The micro-batches of ``item``, longest rows first; ``[]`` for an item with 0 rows.
+
+        Raises:
+            ValueError: ``item`` cannot be split into rows, or its lengths cannot be read.
+        """
+        item = collate_rows(item)
+        rows = count_rows(item)
+        if rows == 0:
+            return []
+        lengths, width, right_padded = self._lengths(item, rows)
+        if not right_padded:
+            self._warn(
+                "left",
+                f"a window's {self.lengths!r} is not right-padded (some row is not 1...10...0, "
+                "e.g. left padding): its micro-batches are regrouped but not trimmed, which "
+                "keeps the step exact but gives up the speed-up. Pad on the right "
+                "(tokenizer.padding_side = 'right') to get it back.",
+            )
+        order = torch.sort(lengths, descending=True, stable=True).indices
+        sizes = self._group(lengths[order].tolist(), width if not right_padded else None)
+        micros, start = [], 0
+        for size in sizes:
+            idx = order[start : start + size]
+            keep = width if not right_padded else max(int(lengths[idx].max()), 1)
+            micros.append(_rebuild(item, _take(idx, rows, width, keep)))
+            start += size
+        return micros
+
+    def cut(self, item: Any, size: int) -> list[Any]:
+        """``self(item)`` with another size: rows (``micro_batch_size``) or a token budget."""
+        tokens = self.micro_batch_tokens is not None
+        saved = self.micro_batch_tokens if tokens else self.micro_batch_size
+        if tokens:
+            self.micro_batch_tokens = size
+        else:
+            self.micro_batch_size = size
+        try:
+            return self(item)
+        finally:
+            if tokens:
+                self.micro_batch_tokens = saved
+            else:
+                self.micro_batch_size = saved
+
+    def window_tokens(self, item: Any) -> int:
+        """Padded tokens of the whole window as one micro-batch (rows x longest row)."""
+        item = collate_rows(item)
+        rows = count_rows(item)
+        if rows == 0:
+            return 0
+        lengths, width, right_padded = self._lengths(item, rows)
+        longest = max(int(lengths.max()), 1) if right_padded else width
+        return rows * longest
+
+    # -- lengths -------------------------------------------------------------------------------
+
+    def _lengths(self, item: Any, rows: int) -> tuple[torch.Tensor, int, bool]:
+        """``(lengths, padded length L, right-padded?)`` of the window's rows."""
+        if callable(self.lengths):
+            return self._checked(self.lengths(item), item, rows, "the lengths= callable")
+        key = self.lengths
+        value = item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
+        if not isinstance(value, torch.Tensor):
+            got = "absent" if value is None else f"a {type(value).__name__}"
+            raise ValueError(
+                f"cannot read the rows' lengths: the loader item's {key!r} is {got}. Give "
+                f"lengths= a key of the item holding a padding mask (rows x positions, "
+                "nonzero on real tokens, right padding), or a callable "
+                "lengths=lambda item: <1-D integer tensor of row lengths>."
+            )
+        if value.dim() == 1:
+            return self._checked(value, item, rows, f"item[{key!r}]")
+        if value.dim() != 2 or value.shape[0] != rows:
+            raise ValueError(
+                f"lengths={key!r}: expected a mask of shape (rows={rows}, positions), got shape "
+                f"{tuple(value.shape)}. Pass lengths= a callable returning the row lengths."
+            )
+        real = value != 0
+        counts = real.sum(dim=1)
+        width = value.shape[1]
+        right = bool(torch.equal(real, torch.arange(width, device=value.device) < counts[:, None]))
+        return counts.cpu(), width, right
+
+    def _checked(
+        self, value: Any, item: Any, rows: int, what: str
+    ) -> tuple[torch.Tensor, int, bool]:
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dim() != 1
+            or value.dtype.is_floating_point
+            or value.is_complex()
+            or value.dtype == torch.bool
+            or value.shape[0] != rows
+        ):
+            shown = (
+                f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+                if isinstance(value, torch.Tensor)
+                else repr(value)
+            )
+            raise ValueError(
+                f"{what} must give a 1-D integer tensor with one length per row ({rows} rows), "
+                f"got {shown}."
+            )
+        wide = [t for t in _tensor_leaves(item) if t.dim() >= 2 and t.shape[0] == rows]
+        if not wide:
+            raise ValueError(
+                f"{what} gave row lengths, but the loader item has no tensor of shape (rows, "
+                "positions, ...) to trim; use micro_batch_size=M without sort_rows instead."
+            )
+        lengths = value.detach().cpu().long()
+        width = wide[0].shape[1]
+        if int(lengths.min()) < 0 or int(lengths.max()) > width:
+            raise ValueError(
+                f"{what} gave lengths from {int(lengths.min())} to {int(lengths.max())}, "
+                f"outside 0..{width} (dimension 1 of the item's first tensor with positions)."
+            )
+        return lengths, width, True
+
+    # -- grouping ------------------------------------------------------------------------------
+
+    def _group(self, sorted_lengths: list[int], fixed_width: int | None) -> list[int]:
+        """Row counts of consecutive micro-batches over rows sorted longest first."""
+        rows = len(sorted_lengths)
+        if self.micro_batch_size is not None:
+            m = self.micro_batch_size
+            return [min(m, rows - i) for i in range(0, rows, m)]
+        budget = self.micro_batch_tokens
+        assert budget is not None
+        sizes: list[int] = []
+        i = 0
+        while i < rows:
+            widest = fixed_width or max(sorted_lengths[i], 1)
+            take = max(budget // widest, 1)
+            if widest > budget:
+                self._warn(
+                    "long",
+                    f"a row of {widest} tokens is longer than micro_batch_tokens={budget}: it "
+                    "is a micro-batch of its own (exact, but larger than the budget). Raise "
+                    "micro_batch_tokens or cut long rows in the loader.",
+                )
+            take = min(take, rows - i)
+            sizes.append(take)
+            i += take
+        return sizes
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, stacklevel=4)
+
+
+def make_splitter(
+    micro_batch_size: int | str | None,
+    micro_batch_tokens: int | str | None,
+    sort_rows: bool,
+    lengths: Lengths,
+) -> tuple[Callable[[Any], list[Any]], AutoSize | None]:
+    """How the Accumulator cuts a loader item (a window), from checked options.
+
+    Returns ``(split, auto)``: ``split(item)`` for fixed sizes, and an :class:`AutoSize` when a
+    size is ``"auto"`` (it then cuts, with the size it has found). With ``micro_batches=K``
+    (both sizes None) ``split`` is never called.
+    """
+    from fullbatch._auto import AutoSize
+
+    if micro_batch_tokens is not None:
+        packer = Packer(micro_batch_tokens=1, lengths=lengths)
+        if micro_batch_tokens == "auto":
+            return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
+        packer.micro_batch_tokens = int(micro_batch_tokens)
+        return packer, None
+    if sort_rows:
+        packer = Packer(micro_batch_size=1, lengths=lengths)
+        if micro_batch_size == "auto":
+            return packer, AutoSize(count_rows, packer.cut, kind="rows")
+        packer.micro_batch_size = int(micro_batch_size or 1)
+        return packer, None
+    if micro_batch_size == "auto":
+        return _split_rows_of(1), AutoSize.rows()
+    return _split_rows_of(int(micro_batch_size or 1)), None
+
+
+def _split_rows_of(size: int) -> Callable[[Any], list[Any]]:
+    return lambda item: split_rows(item, size)
+
+
+def _take(
+    idx: torch.Tensor, rows: int, width: int, keep: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows ``idx`` of a rows-first tensor, cut to ``keep`` positions where dim 1 is ``width``."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != rows:
+            return t  # count_rows already refused other mismatches
+        i = idx.to(t.device)
+        if t.dim() >= 2 and t.shape[1] == width and keep < width:
+            return t[i, :keep]
+        return t[i]
+
+    return take

@@ -1,0 +1,40 @@
+"""Length-aware micro-batches on 2 gloo ranks: each rank packs its own rows, ranks get
+different micro-batch counts, and every rank's parameters after every step equal the float64
+full-batch reference."""
+
+from __future__ import annotations
+
+import pytest
+
+import _pack_cases as cases
+from _dist import run_ranks, values
+
+WINDOWS = 3
+OPTIONS = [
+    {"micro_batch_tokens": 30},
+    {"micro_batch_tokens": 1},  # every row a micro-batch of its own
+    {"micro_batch_size": 3, "sort_rows": True},
+]
+
+
+@pytest.mark.filterwarnings("ignore:a row of")
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_every_rank_every_step_equals_full_batch(wrapper: str, options: dict) -> None:
+    results = values(run_ranks(cases.train, 2, wrapper, options, WINDOWS))
+    ref = cases.reference(WINDOWS)
+    for res in results:
+        assert len(res["params"]) == WINDOWS
+        for got, want in zip(res["params"], ref, strict=True):
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 1e-10, err
+    counts = [res["real"] for res in results]
+    assert counts[0] != counts[1]  # the ranks really packed different numbers of micro-batches
+    if wrapper == "fsdp":  # FSDP2: the rank with fewer micro-batches pads up to the other
+        totals = [
+            [r + p for r, p in zip(res["real"], res["padding"], strict=True)] for res in results
+        ]
+        assert totals[0] == totals[1]
+        assert any(any(res["padding"]) for res in results)
+    else:
+        assert all(not any(res["padding"]) for res in results)
