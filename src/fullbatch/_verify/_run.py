@@ -52,6 +52,22 @@ def _check_arguments(model: Any, loss_fn: Any, micro_batch_size: Any) -> None:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size}.")
 
 
+def _check_split(rows: int, micro_batch_size: int) -> None:
+    """Refuse a comparison that cannot fail: one micro-batch accumulates nothing."""
+    if rows < 2:
+        raise ValueError(
+            f"the batch has {rows} row: verify needs at least 2 rows to split into "
+            "micro-batches; pass a batch of several rows."
+        )
+    if micro_batch_size >= rows:
+        raise ValueError(
+            f"micro_batch_size {micro_batch_size} >= the batch's {rows} rows: a single "
+            "micro-batch, so fullbatch accumulates nothing and the comparison proves nothing; "
+            f"pass micro_batch_size={rows // 2} or smaller (2 micro-batches or more), or a "
+            "batch with more rows."
+        )
+
+
 def verify(
     model: nn.Module,
     batch: Any,
@@ -109,6 +125,10 @@ def verify(
 
     Raises:
         TypeError, ValueError: bad arguments, or ``loss_fn`` not returning ``(loss_sum, count)``.
+        ValueError: ``micro_batch_size`` >= the batch's rows (or a one-row batch). One
+            micro-batch accumulates nothing, so fullbatch equals the full batch trivially;
+            a report saying PASSED would be read (``assert report.passed``) as a proof it is
+            not, so verify refuses rather than returning one.
 
     >>> import torch, fullbatch as fb
     >>> model = torch.nn.Linear(4, 3).double()
@@ -120,6 +140,7 @@ def verify(
     _check_arguments(model, loss_fn, micro_batch_size)
     autocast = check_autocast(autocast)
     rows = count_rows(batch)
+    _check_split(rows, micro_batch_size)
     notes: list[str] = []
     snapshot = ModelSnapshot.capture(model)
     dropout = None

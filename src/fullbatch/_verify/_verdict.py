@@ -103,12 +103,7 @@ def build_report(
         notes.append("one row: the additivity check needs at least 2 rows")
     elif not additivity.holds and runs.nondeterminism > tol:
         notes.append("additivity is not diagnosed while randomness is left")
-    if micro_batches == 1:
-        notes.append(
-            f"micro_batch_size {micro_batch_size} >= {rows} rows: a single micro-batch, so the "
-            "gradient comparison is trivial; use a smaller micro_batch_size"
-        )
-    elif naive_error.worst_error <= tol:
+    if naive_error.worst_error <= tol:
         notes.append(
             "the naive recipe is exact here too: every micro-batch counts the same number of "
             "items (vary padding or -100 labels to see it fail)"
