@@ -1,7 +1,9 @@
 """``fullbatch verify``: prove on your own model that fullbatch equals the full batch.
 
 Exit codes: 0 equivalent, 1 above tolerance (or not accumulable exactly), 2 bad input (one line
-on stderr naming the problem and the fix, no traceback).
+on stderr naming the problem and the fix, no traceback): unreadable data or model, a loss_fn
+that does not return ``(loss_sum, count)``, a forward that raises, rows longer than the model's
+context (``--max-length`` cuts them), or a ``--micro-batch-size`` that leaves one micro-batch.
 
 Examples::
 
@@ -56,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         required=True,
         metavar="FILE",
-        help='.jsonl: one list of token ids or {"input_ids": [...]} per line; other files: '
-        "plain text, one example per line (checkpoint tokenizer, else byte-level)",
+        help='.jsonl: one list of token ids or {"input_ids": [...]} per line (.json: also one '
+        "array of them); other files: plain text, one example per line (checkpoint tokenizer, "
+        "else byte-level)",
     )
     parser.add_argument(
         "--micro-batch-size",
@@ -155,7 +158,7 @@ def _batch(args: argparse.Namespace, loaded: Any) -> tuple[dict[str, Any], list[
     return batch, notes
 
 
-def _guarded(loss_fn: Any, source: str) -> Any:
+def _guarded(loss_fn: Any, prefix: str, culprit: str) -> Any:
     """``loss_fn`` whose errors (its own, or the model's forward) become one-line InputErrors."""
     from fullbatch._verify._arms import check_loss_output
     from fullbatch._verify._load import InputError, one_line
@@ -167,13 +170,13 @@ def _guarded(loss_fn: Any, source: str) -> Any:
             raise
         except Exception as error:
             raise InputError(
-                f"{source} raised {one_line(error)}; call it on a few rows of --data outside "
-                "verify to see the traceback"
+                f"{prefix}: {culprit} raised {one_line(error)}; call it on a few rows of --data "
+                "outside verify to see the traceback"
             ) from error
         try:
             check_loss_output(out)
         except (TypeError, ValueError) as error:
-            raise InputError(f"{source}: {str(error).rstrip('.')}") from error
+            raise InputError(f"{prefix}: {str(error).rstrip('.')}") from error
         return out
 
     return guarded_loss_fn
@@ -198,10 +201,11 @@ def run(args: argparse.Namespace) -> int:
         require_file(args.data)  # before the model load: a typo should fail fast
         loaded = load_model(args.model, dtype=dtype, device=args.device)
         batch, notes = _batch(args, loaded)
+        prefix = f"--model {args.model}"
         if loaded.loss_fn is None:
-            loss_fn = _guarded(causal_lm_loss_fn, "the model's forward")
+            loss_fn = _guarded(causal_lm_loss_fn, prefix, "the model's forward")
         else:
-            loss_fn = _guarded(loaded.loss_fn, f"--model {args.model}: the model or its loss_fn")
+            loss_fn = _guarded(loaded.loss_fn, prefix, "the model or its loss_fn")
         try:
             report = verify(
                 loaded.model,
