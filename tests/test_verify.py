@@ -264,10 +264,17 @@ def test_dtype_argument_compares_on_a_float64_copy() -> None:
     assert report.passed and report.tolerance == 1e-10 and report.dtype == "float64"
 
 
-def test_single_micro_batch_is_called_trivial() -> None:
-    report = verify(_mlp(), _classification(), _sum_loss, micro_batch_size=8)
-    assert report.passed and report.micro_batches == 1
-    assert any("comparison is trivial" in n for n in report.notes)
+@pytest.mark.parametrize("size", [8, 9])
+def test_single_micro_batch_is_refused_as_trivial(size: int) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_batch_size {size} >= the batch's 8 rows: .*"
+        r"proves nothing; pass micro_batch_size=4 or smaller",
+    ):
+        verify(_mlp(), _classification(), _sum_loss, micro_batch_size=size)
+    with pytest.raises(ValueError, match="the batch has 1 row: verify needs at least 2 rows"):
+        one_row = {"x": torch.randn(1, 5, dtype=torch.float64), "y": torch.tensor([2])}
+        verify(_mlp(), one_row, _sum_loss, micro_batch_size=1)
 
 
 def test_assert_equivalent() -> None:
@@ -304,6 +311,7 @@ def test_compare_is_per_tensor_and_global() -> None:
     micro_batch_size=st.integers(1, 4),
 )
 def test_any_split_of_any_ragged_batch_passes(lengths: list[int], micro_batch_size: int) -> None:
+    micro_batch_size = min(micro_batch_size, len(lengths) - 1)  # 2 micro-batches at least
     # rows with 1..4 labelled positions each (the rest -100): counts vary per micro-batch
     model = nn.Linear(5, 4).double()
     gen = torch.Generator().manual_seed(len(lengths))

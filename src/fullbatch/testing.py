@@ -31,6 +31,7 @@ def assert_equivalent(
     *,
     micro_batch_size: int,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
     rtol: float | None = None,
 ) -> VerifyReport:
     """Assert that fullbatch gives the full-batch gradient on ``model`` and ``batch``.
@@ -41,11 +42,19 @@ def assert_equivalent(
         The :class:`~fullbatch.VerifyReport` when it passed (for further checks).
 
     Raises:
+        ValueError: bad arguments, e.g. ``micro_batch_size`` >= the batch's rows (a single
+            micro-batch proves nothing).
         AssertionError: with the full report text (errors, additivity, diagnosis) when the
             gradients differ beyond the tolerance or the loss cannot be accumulated exactly.
     """
     report = verify(
-        model, batch, loss_fn, micro_batch_size=micro_batch_size, dtype=dtype, rtol=rtol
+        model,
+        batch,
+        loss_fn,
+        micro_batch_size=micro_batch_size,
+        dtype=dtype,
+        autocast=autocast,
+        rtol=rtol,
     )
     if not report.passed:
         raise AssertionError(f"fullbatch is not equivalent to the full batch:\n{report}")

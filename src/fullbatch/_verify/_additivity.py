@@ -4,7 +4,8 @@ Accumulation is exact only when the loss of the whole batch is the sum of the lo
 parts and the counts add up too. Splitting the batch's rows in two halves tests exactly that.
 When it fails, the cause is named by testing the usual suspects one at a time:
 
-- train-mode BatchNorm: the check is repeated with BatchNorm in eval mode;
+- train-mode BatchNorm: the check is repeated with BatchNorm in eval mode, and the layers
+  ``batchnorm="window"`` makes exact (those not fed by another train-mode BatchNorm) are named;
 - a constant count (per-call mean with ``count=1``): accumulation becomes the naive ``loss / K``;
 - a mean-reduced loss: the whole batch's value is an average of its halves' values;
 - otherwise a coupled loss: rows interact (in-batch negatives, batch statistics).
@@ -20,6 +21,7 @@ from torch import nn
 
 from fullbatch._split import count_rows, take_rows
 from fullbatch._verify._arms import LossFn, call_loss
+from fullbatch._verify._bn import batchnorm_feeds
 from fullbatch._verify._report import AdditivityCheck
 from fullbatch._verify._state import batchnorm_modules
 
@@ -108,6 +110,29 @@ def _loss_causes(check: AdditivityCheck, tol: float) -> list[str]:
     return causes
 
 
+def _names(names: list[str], limit: int = 4) -> str:
+    return ", ".join(repr(n) for n in names[:limit]) + (", …" if len(names) > limit else "")
+
+
+def _batchnorm_cause(bn_names: list[str], first: list[str], fed: list[str]) -> str:
+    """What train-mode BatchNorm breaks, and what ``batchnorm='window'`` does and does not fix."""
+    total = len(first) + len(fed)
+    window = (
+        "batchnorm='window' makes running statistics exact only for BatchNorm layers not fed "
+        f"by another train-mode BatchNorm: here {_names(first) if first else 'none'} "
+        f"({len(first)} of {total}; in a ResNet-18 that is the stem alone)"
+    )
+    if fed:
+        window += f"; the other {len(fed)} ({_names(fed)}) keep approximate statistics"
+    return (
+        f"train-mode BatchNorm (modules {_names(bn_names)}): it normalizes with the statistics "
+        "of the rows it sees, so each micro-batch's gradient depends on which rows share it and "
+        "no accumulation gives the full batch's gradient, batchnorm='window' included; "
+        f"{window}; for an exact gradient put BatchNorm in eval mode or use "
+        "GroupNorm/LayerNorm, or accept an approximate one"
+    )
+
+
 def check_additivity(
     model: nn.Module, batch: Any, loss_fn: LossFn, tol: float
 ) -> AdditivityCheck | None:
@@ -144,12 +169,9 @@ def check_additivity(
         finally:
             for m, flag in zip(bn, flags, strict=True):
                 m.training = flag
-        shown = ", ".join(repr(n) for n in bn_names[:4]) + (", …" if len(bn_names) > 4 else "")
+        first, fed = batchnorm_feeds(model, lambda: call_loss(loss_fn, model, batch))
         causes.append(
-            f"train-mode BatchNorm (modules {shown}): it normalizes with the statistics of the "
-            "rows it sees, so each micro-batch's gradient depends on which rows share it and no "
-            "accumulation can be exact; put BatchNorm in eval mode, use GroupNorm/LayerNorm, or "
-            "accept an approximate gradient (batchnorm='window' keeps running statistics exact)"
+            _batchnorm_cause(bn_names, first, fed)
             + ("" if remaining.holds else "; additivity still fails with it in eval mode:")
         )
     if not remaining.holds:

@@ -23,6 +23,8 @@ from fullbatch._split import count_rows, take_rows
 __all__ = [
     "ArmResult",
     "LossFn",
+    "call_loss",
+    "check_loss_output",
     "compare",
     "full_batch_arm",
     "fullbatch_arm",
@@ -49,22 +51,51 @@ class ArmResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
-    """Call ``loss_fn(model, batch)`` and check it returned ``(loss_sum, count)``."""
-    out = loss_fn(model, batch)
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+def check_loss_output(out: Any) -> tuple[torch.Tensor, float]:
+    """``(loss_sum, count)`` from what ``loss_fn`` returned, or an error naming what it was.
+
+    >>> check_loss_output(torch.tensor(2.0))
+    Traceback (most recent call last):
+    ...
+    TypeError: loss_fn returned a Tensor, expected (loss_sum, count): ...
+    """
+    if not (isinstance(out, tuple) and len(out) == 2):
+        what = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
         raise TypeError(
-            f"loss_fn returned {type(out).__name__}, expected (loss_sum, count): a 0-dim tensor "
-            "summed over items and how many items, e.g. "
+            f"loss_fn returned {what}, expected (loss_sum, count): the loss summed over the "
+            "micro-batch's items (a 0-dim tensor) and how many items, e.g. "
             "`return fb.cross_entropy_sum(model(x), y)`."
         )
     loss, count = out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"loss_fn returned loss_sum as a {type(loss).__name__}, expected a 0-dim "
+            "torch.Tensor with a gradient (the loss summed over items): do not call .item() "
+            "or float() on it."
+        )
     if loss.dim() != 0:
         raise ValueError(
             f"loss_fn returned a loss of shape {tuple(loss.shape)}: it must be a 0-dim sum "
             "over items (call .sum() with reduction='none', or use reduction='sum')."
         )
-    return loss, float(count)
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss_sum that does not require grad (computed under "
+            "torch.no_grad(), detached, or from frozen parameters only); return the loss "
+            "with its graph."
+        )
+    try:
+        return loss, float(count)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"loss_fn returned count as {type(count).__name__} {count!r}, expected a number "
+            "or a 0-dim tensor: how many items loss_sum sums over."
+        ) from None
+
+
+def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
+    """Call ``loss_fn(model, batch)`` and check it returned ``(loss_sum, count)``."""
+    return check_loss_output(loss_fn(model, batch))
 
 
 def reverse_rows(batch: Any, rows: int) -> Any:

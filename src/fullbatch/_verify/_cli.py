@@ -1,7 +1,9 @@
 """``fullbatch verify``: prove on your own model that fullbatch equals the full batch.
 
 Exit codes: 0 equivalent, 1 above tolerance (or not accumulable exactly), 2 bad input (one line
-on stderr naming the problem and the fix, no traceback).
+on stderr naming the problem and the fix, no traceback): unreadable data or model, a loss_fn
+that does not return ``(loss_sum, count)``, a forward that raises, rows longer than the model's
+context (``--max-length`` cuts them), or a ``--micro-batch-size`` that leaves one micro-batch.
 
 Examples::
 
@@ -22,6 +24,7 @@ from typing import Any
 __all__ = ["add_arguments", "run"]
 
 _DTYPES = ("float32", "float64")
+_AUTOCAST = ("bfloat16", "float16")
 
 
 def _positive_int(text: str) -> int:
@@ -55,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         required=True,
         metavar="FILE",
-        help='.jsonl: one list of token ids or {"input_ids": [...]} per line; other files: '
-        "plain text, one example per line (checkpoint tokenizer, else byte-level)",
+        help='.jsonl: one list of token ids or {"input_ids": [...]} per line (.json: also one '
+        "array of them); other files: plain text, one example per line (checkpoint tokenizer, "
+        "else byte-level)",
     )
     parser.add_argument(
         "--micro-batch-size",
@@ -79,6 +83,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cast the model to this dtype (default: float32 for a checkpoint, the factory's "
         "dtype otherwise); float64 gives the tightest check (tolerance 1e-10)",
     )
+    parser.add_argument(
+        "--autocast",
+        choices=_AUTOCAST,
+        default=None,
+        help="run forward and loss under torch.autocast in this dtype, as mixed-precision "
+        "training does; fullbatch then passes within 4x the model's own rounding band",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="cut every example to its first N tokens (e.g. the model's context length)",
+    )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
 
 
@@ -87,11 +105,13 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _batch(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
-    from fullbatch._verify._data import collate, read_examples
-    from fullbatch._verify._load import InputError
+def _examples(args: argparse.Namespace, loaded: Any) -> tuple[list[Any], list[str]]:
+    """The batch's examples (first --batch-size, cut to --max-length) and notes for the report."""
+    from fullbatch._verify._data import read_examples, truncate
+    from fullbatch._verify._load import InputError, context_length
 
     examples = read_examples(args.data, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size)
+    notes = []
     if args.batch_size is not None:
         if len(examples) < args.batch_size:
             raise InputError(
@@ -99,17 +119,67 @@ def _batch(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
                 "examples; lower --batch-size or add examples"
             )
         examples = examples[: args.batch_size]
+    if args.max_length is not None:
+        examples, cut = truncate(examples, args.max_length)
+        notes.append(f"rows cut to --max-length {args.max_length} tokens ({cut} were longer)")
+    context = context_length(loaded.model)
+    longest = max((len(e.input_ids) for e in examples), default=0)
+    if context is not None and longest > context[0]:
+        raise InputError(
+            f"--data {args.data}: the longest row has {longest} tokens but the model has a "
+            f"context of {context[0]} tokens ({context[1]}); pass --max-length {context[0]} to "
+            "cut rows"
+        )
+    return examples, notes
+
+
+def _batch(args: argparse.Namespace, loaded: Any) -> tuple[dict[str, Any], list[str]]:
+    from fullbatch._verify._data import collate
+    from fullbatch._verify._load import InputError
+
+    examples, notes = _examples(args, loaded)
     if len(examples) < 2:
         raise InputError(
             f"--data {args.data}: {len(examples)} example(s); verify needs at least 2 rows to "
             "split into micro-batches and to check additivity"
+        )
+    if args.micro_batch_size >= len(examples):
+        raise InputError(
+            f"--micro-batch-size {args.micro_batch_size} >= the batch's {len(examples)} rows: "
+            "one micro-batch accumulates nothing, so the comparison would prove nothing; pass "
+            f"--micro-batch-size {len(examples) // 2} or less, or more examples"
         )
     if all(len(e.input_ids) < 2 for e in examples):
         raise InputError(
             f"--data {args.data}: every example has a single token, so there is no next token "
             "to predict; give examples of 2 tokens or more"
         )
-    return {k: v.to(args.device) for k, v in collate(examples, loaded.pad_id).items()}
+    batch = {k: v.to(args.device) for k, v in collate(examples, loaded.pad_id).items()}
+    return batch, notes
+
+
+def _guarded(loss_fn: Any, prefix: str, culprit: str) -> Any:
+    """``loss_fn`` whose errors (its own, or the model's forward) become one-line InputErrors."""
+    from fullbatch._verify._arms import check_loss_output
+    from fullbatch._verify._load import InputError, one_line
+
+    def guarded_loss_fn(model: Any, micro: Any) -> Any:
+        try:
+            out = loss_fn(model, micro)
+        except InputError:
+            raise
+        except Exception as error:
+            raise InputError(
+                f"{prefix}: {culprit} raised {one_line(error)}; call it on a few rows of --data "
+                "outside verify to see the traceback"
+            ) from error
+        try:
+            check_loss_output(out)
+        except (TypeError, ValueError) as error:
+            raise InputError(f"{prefix}: {str(error).rstrip('.')}") from error
+        return out
+
+    return guarded_loss_fn
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
 
     Returns 0 when equivalent, 1 when not, 2 on bad input.
     """
+    import dataclasses
+
     import torch
 
     from fullbatch._verify._data import require_file
@@ -124,13 +196,29 @@ def run(args: argparse.Namespace) -> int:
     from fullbatch._verify._run import verify
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    autocast = getattr(torch, args.autocast) if args.autocast else None
     try:
         require_file(args.data)  # before the model load: a typo should fail fast
         loaded = load_model(args.model, dtype=dtype, device=args.device)
-        batch = _batch(args, loaded)
-        loss_fn = loaded.loss_fn or causal_lm_loss_fn
-        report = verify(loaded.model, batch, loss_fn, micro_batch_size=args.micro_batch_size)
+        batch, notes = _batch(args, loaded)
+        prefix = f"--model {args.model}"
+        if loaded.loss_fn is None:
+            loss_fn = _guarded(causal_lm_loss_fn, prefix, "the model's forward")
+        else:
+            loss_fn = _guarded(loaded.loss_fn, prefix, "the model or its loss_fn")
+        try:
+            report = verify(
+                loaded.model,
+                batch,
+                loss_fn,
+                micro_batch_size=args.micro_batch_size,
+                autocast=autocast,
+            )
+        except (TypeError, ValueError) as error:  # verify's own checks: bad input
+            raise InputError(str(error).rstrip(".")) from error
     except InputError as error:
         return _fail(str(error))
+    if notes:
+        report = dataclasses.replace(report, notes=[*report.notes, *notes])
     print(report)
     return 0 if report.passed else 1

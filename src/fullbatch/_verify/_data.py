@@ -1,7 +1,8 @@
 """Data for ``fullbatch verify``: read examples from jsonl or text, pad them into one batch.
 
 - ``.jsonl`` / ``.json`` / ``.ndjson``: one example per line, a list of token ids or an object
-  ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional, ``-100`` to ignore a token).
+  ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional, ``-100`` to ignore a token);
+  a ``.json`` file may also hold one JSON array of such examples.
 - anything else is plain text, one example per line, tokenized with the checkpoint's tokenizer
   when it has one, else byte-level (each UTF-8 byte is a token id, so the vocabulary needs
   at least 256 ids).
@@ -21,7 +22,7 @@ import torch
 
 from fullbatch._verify._load import InputError
 
-__all__ = ["Example", "collate", "read_examples", "require_file"]
+__all__ = ["Example", "collate", "read_examples", "require_file", "truncate"]
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _FORMAT = 'a list of token ids or {"input_ids": [...]}'
@@ -49,6 +50,21 @@ def _parse_json_line(text: str, where: str) -> Example:
             f"{where}: not valid JSON ({error.msg} at column {error.colno}); each line must be "
             f"{_FORMAT}"
         ) from error
+    return _parse_json_value(value, where)
+
+
+def _json_array(text: str) -> list[Any] | None:
+    """The items of a file that is one JSON array of examples (not of ints); else ``None``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, list) and not _int_list(value):
+        return value
+    return None
+
+
+def _parse_json_value(value: Any, where: str) -> Example:
     if isinstance(value, dict):
         ids, labels = value.get("input_ids"), value.get("labels")
         if not _int_list(ids):
@@ -113,7 +129,12 @@ def read_examples(path: str, *, tokenizer: Any | None, vocab_size: int | None) -
             "the checkpoint directory"
         )
     examples = []
-    for number, line in enumerate(lines, start=1):
+    items = _json_array("\n".join(lines)) if file.suffix.lower() == ".json" else None
+    for number, item in enumerate(items or [], start=1):
+        example = _parse_json_value(item, f"{path} item {number}")
+        _check_ids(example, f"{path} item {number}", vocab_size)
+        examples.append(example)
+    for number, line in enumerate([] if items is not None else lines, start=1):
         if not line.strip():
             continue
         where = f"{path} line {number}"
@@ -126,6 +147,19 @@ def read_examples(path: str, *, tokenizer: Any | None, vocab_size: int | None) -
         _check_ids(example, where, vocab_size)
         examples.append(example)
     return examples
+
+
+def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], int]:
+    """Every example cut to its first ``max_length`` tokens, and how many were longer.
+
+    >>> truncate([Example([1, 2, 3]), Example([4])], 2)
+    ([Example(input_ids=[1, 2], labels=None), Example(input_ids=[4], labels=None)], 1)
+    """
+    cut = [
+        Example(e.input_ids[:max_length], None if e.labels is None else e.labels[:max_length])
+        for e in examples
+    ]
+    return cut, sum(len(e.input_ids) > max_length for e in examples)
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

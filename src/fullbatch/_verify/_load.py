@@ -21,7 +21,14 @@ from torch import nn
 
 from fullbatch._losses import causal_lm_loss
 
-__all__ = ["InputError", "LoadedModel", "causal_lm_loss_fn", "load_model"]
+__all__ = [
+    "InputError",
+    "LoadedModel",
+    "causal_lm_loss_fn",
+    "context_length",
+    "load_model",
+    "one_line",
+]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -41,7 +48,7 @@ class LoadedModel:
     pad_id: int
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
@@ -65,7 +72,7 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except Exception as error:
         raise InputError(
-            f"--model {path}: cannot load it with AutoModelForCausalLM ({_one_line(error)}); "
+            f"--model {path}: cannot load it with AutoModelForCausalLM ({one_line(error)}); "
             "pass a causal LM checkpoint, or module:factory for other models"
         ) from error
     finally:
@@ -77,7 +84,7 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as error:
             raise InputError(
-                f"--model {path}: cannot load its tokenizer ({_one_line(error)}); fix or remove "
+                f"--model {path}: cannot load its tokenizer ({one_line(error)}); fix or remove "
                 "the tokenizer files, or pass token ids as jsonl"
             ) from error
     return model, tokenizer
@@ -110,10 +117,26 @@ def _import_factory(spec: str) -> Callable[[], Any]:
                     sys.path.remove(os.getcwd())
     except InputError:
         raise
-    except Exception as error:
+    except SyntaxError as error:
+        where = f"{error.filename}:{error.lineno}" if error.filename else module_name
         raise InputError(
-            f"--model {spec}: cannot import {module_name} ({_one_line(error)}); put it on "
-            "PYTHONPATH, run from its directory, or pass path/to/file.py:factory"
+            f"--model {spec}: syntax error in {where}: {error.msg}; fix the file"
+        ) from error
+    except Exception as error:
+        missing = error.name if isinstance(error, ModuleNotFoundError) else None
+        if missing is not None and module_name.split(".")[0] == missing.split(".")[0]:
+            raise InputError(
+                f"--model {spec}: cannot import {module_name} ({one_line(error)}); put it on "
+                "PYTHONPATH, run from its directory, or pass path/to/file.py:factory"
+            ) from error
+        run = (
+            f"python {module_name}"
+            if module_name.endswith(".py")
+            else f"python -c 'import {module_name}'"
+        )
+        raise InputError(
+            f"--model {spec}: importing {module_name} raised {one_line(error)}; fix it "
+            f"(`{run}` shows the traceback)"
         ) from error
     factory: Any = module
     for part in attr.split("."):
@@ -133,7 +156,7 @@ def _from_factory(spec: str) -> tuple[nn.Module, Any]:
     try:
         made = factory()
     except Exception as error:
-        raise InputError(f"--model {spec}: the factory raised {_one_line(error)}") from error
+        raise InputError(f"--model {spec}: the factory raised {one_line(error)}") from error
     model, loss_fn = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):
         raise InputError(
@@ -155,6 +178,26 @@ def _vocab_size(model: nn.Module) -> int | None:
     get_embeddings = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if callable(get_embeddings) else None
     return getattr(embeddings, "num_embeddings", None)
+
+
+#: config attributes that bound the positions a model can embed, most specific first
+_CONTEXT_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len")
+
+
+def context_length(model: nn.Module) -> tuple[int, str] | None:
+    """The model's context from its config, and the attribute it came from (``None``: unknown).
+
+    >>> class Config: n_positions = 1024
+    >>> model = torch.nn.Linear(1, 1); model.config = Config()
+    >>> context_length(model)
+    (1024, 'config.n_positions')
+    """
+    config = getattr(model, "config", None)
+    for attr in _CONTEXT_ATTRIBUTES:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"config.{attr}"
+    return None
 
 
 def load_model(spec: str, *, dtype: torch.dtype | None, device: str) -> LoadedModel:
@@ -185,9 +228,7 @@ def load_model(spec: str, *, dtype: torch.dtype | None, device: str) -> LoadedMo
     try:
         model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
     except (RuntimeError, AssertionError) as error:
-        raise InputError(
-            f"--device {device}: cannot move the model ({_one_line(error)})"
-        ) from error
+        raise InputError(f"--device {device}: cannot move the model ({one_line(error)})") from error
     model.train()
     config = getattr(model, "config", None)
     pad_id = getattr(config, "pad_token_id", None)
