@@ -15,8 +15,9 @@ Printed output: a ```` ```text ```` fence that *immediately* follows a run ```` 
 block (only blank lines between them) is that block's expected standard output, and the test
 compares it. Trailing whitespace of every line, and blank lines at the end, are ignored;
 everything else must match exactly. For a ```` ```python torchrun ```` block the expected text
-is what all ranks print to the launcher's stdout, compared as a multiset of lines (ranks
-interleave, so line order is not compared). Text fence tags:
+is what all ranks print to stdout, compared as a multiset of lines: the order of lines across
+ranks is not compared, and each rank's stdout is captured in a file of its own, since on the
+launcher's one pipe two ranks' lines can interleave mid-line. Text fence tags:
 
 - ```` ```text ````: exact, as above. Examples are seeded so that their output is the same on
   every machine; this is the default and the norm.
@@ -244,9 +245,14 @@ def _run_in_page(block: Block) -> str:
 
 
 def _run_torchrun(block: Block, tmp_path: Path) -> str:
-    """Run ``block`` under the launcher and return what its ranks printed to stdout."""
+    """Run ``block`` under the launcher and return what its ranks printed to stdout.
+
+    Each rank's stdout goes to its own file (``--redirects 1``): on one shared pipe, two ranks'
+    ``print`` calls can interleave in the middle of a line.
+    """
     script = tmp_path / f"{block.page.stem}_{block.line}.py"
     script.write_text(block.code, encoding="utf-8")
+    logs = tmp_path / "logs"
     cmd = [
         sys.executable,
         "-m",
@@ -254,6 +260,10 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
         "--standalone",
         "--nproc-per-node",
         str(block.nproc),
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "1",
         str(script),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -268,10 +278,13 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{block.id}: torchrun did not finish in {TORCHRUN_TIMEOUT} s\n{exc}")
+    files = sorted(logs.rglob("stdout.log"))  # <run id>/attempt_0/<rank>/stdout.log
+    printed = "".join(f.read_text(encoding="utf-8") for f in files)
     if proc.returncode != 0:
-        output = (proc.stdout + proc.stderr)[-6000:]
+        output = (printed + proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"{block.id}: torchrun exited with {proc.returncode}\n{output}")
-    return proc.stdout
+    assert len(files) == block.nproc, f"{block.id}: expected {block.nproc} rank logs, got {files}"
+    return printed
 
 
 @pytest.mark.timeout(TORCHRUN_TIMEOUT + 60)
