@@ -179,9 +179,13 @@ def accelerate_arm(model: torch.nn.Module, device: torch.device) -> Arm:
     return run, opt
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+
+
 def record_grads(opt: torch.optim.Optimizer, into: list[list[torch.Tensor]]) -> None:
     def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        into.append([p.grad.detach().clone() for g in opt.param_groups for p in g["params"]])
+        into.append([grad_of(p) for g in opt.param_groups for p in g["params"]])
 
     opt.register_step_pre_hook(hook)
 
@@ -190,7 +194,7 @@ def full_batch_grads(model: torch.nn.Module, window: Batch) -> list[torch.Tensor
     model.zero_grad(set_to_none=True)
     loss_sum, n = fb.causal_lm_loss(logits(model, window), window["labels"])
     (loss_sum / n).backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
+    grads = [grad_of(p) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
 
