@@ -37,6 +37,9 @@ class Accumulator:
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
             Exactly one of ``micro_batches`` and ``micro_batch_size`` is given.
+            ``"auto"`` (only with :meth:`Window.run`): start from the whole window, halve on
+            ``torch.OutOfMemoryError`` and re-run the window from its start; the size that
+            worked is kept (``acc.micro_batch_size``). Under DDP it implies ``ddp_sync="step"``.
         scheduler: stepped once per optimizer step (not on skipped windows).
         scaler: a ``torch.amp.GradScaler``; scales each backward, unscales before clipping,
             updated once per window.

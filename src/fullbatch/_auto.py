@@ -216,7 +216,7 @@ def _restart(acc: Accumulator, window: Window, micros: list[Any], stream: Stream
 
 def _free(sync: Sync) -> None:
     sync.drop_unreduced_grads()
-    gc.collect()  # frames of the failed forward hold activations until collected
+    gc.collect(1)  # young cycles through the failed forward's frames (a full collect: ~0.5 s)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
