@@ -145,6 +145,7 @@ def _abandon(acc: Accumulator) -> None:
     """End a window without a step: no gradients, sync flags and BatchNorm statistics back."""
     acc._sync.end()
     acc._clear_grads()
+    acc._sync.drop_unreduced_grads()  # FSDP2 keeps unsynced gradients outside param.grad
     acc._sync.finish_window()
     if acc._batchnorm is not None:
         acc._batchnorm.finish(apply=False)
