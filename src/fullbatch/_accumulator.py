@@ -37,7 +37,10 @@ class Accumulator:
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
             Exactly one of ``micro_batches``, ``micro_batch_size`` and ``micro_batch_tokens``
-            is given.
+            is given. ``"auto"`` (for either size, only with :meth:`Window.run`): start from
+            the whole window, halve on ``torch.OutOfMemoryError`` and re-run the window from
+            its start; the size that worked is kept (``acc.micro_batch_size`` /
+            ``acc.micro_batch_tokens``). Under DDP it implies ``ddp_sync="step"``.
         micro_batch_tokens: the loader yields whole windows; each window's rows are sorted by
             length (longest first) and cut into micro-batches of at most this many padded
             tokens (rows x longest row), each trimmed to its own longest row. A row longer

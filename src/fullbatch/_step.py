@@ -178,6 +178,7 @@ def abandon_window(acc: Accumulator) -> None:
     acc._guard.end_window()
     acc._sync.end()
     acc._clear_grads()
+    acc._sync.drop_unreduced_grads()  # FSDP2 keeps unsynced gradients outside param.grad
     acc._sync.finish_window()
     if acc._batchnorm is not None:
         acc._batchnorm.finish(apply=False)
