@@ -8,9 +8,11 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
+from fullbatch._hooks import WindowHooks
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_window_size, trained_params
 from fullbatch._split import split_rows
@@ -123,6 +125,7 @@ class Accumulator:
         warn_batchnorm(model, window_statistics=batchnorm == "window")
         self._guard = LoopGuard(optimizer, scheduler, self._params)
         self._loss_scale: float | None = None
+        self._window_hooks = WindowHooks()
         self._closed = False
         self.steps = 0
         """Optimizer steps taken so far."""
@@ -273,6 +276,54 @@ class Accumulator:
                 total += float(value)
             totals.append(total)
         return totals
+
+    def register_window_hook(self, fn: Callable[[], Any]) -> RemovableHandle:
+        """Call ``fn()`` once per window, on the final gradients, before clipping.
+
+        When ``fn`` runs, every ``p.grad`` is the full-batch gradient of the window: summed
+        over all micro-batches and all backward calls (however many loss terms), synced over
+        data-parallel ranks (on every rank), unscaled (GradScaler) and normalized by the
+        window's count (with ``accumulate_dtype``: computed from the float32 buffers and
+        cast to the parameter's dtype). Clipping and the optimizer step come after it.
+
+        This replaces per-backward hooks: ``p.register_post_accumulate_grad_hook`` (and
+        ``Tensor.register_hook``) fire once per backward call, so under accumulation they see
+        partial, unnormalized sums K times per step (ColossalAI #5601). Move such code
+        (gradient logging, noise, projection, custom statistics) into a window hook, e.g.
+        ``acc.register_window_hook(lambda: [hook(p) for p in model.parameters()])``.
+
+        Not called on a skipped window (zero items, non-finite loss or gradient): its
+        gradients are undefined or not finite and are thrown away, nothing is stepped
+        (``stats.skipped`` reports it); nor on a discarded window. A hook may modify
+        gradients in place; clipping then multiplies them by the factor computed from
+        ``stats.grad_norm``, the norm measured before the hooks ran.
+
+        Returns:
+            a handle whose ``.remove()`` unregisters ``fn``.
+
+        Raises:
+            ValueError: ``fn`` is not callable.
+
+        Example:
+            >>> import torch, fullbatch as fb
+            >>> model = torch.nn.Linear(3, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> batch = {"x": torch.randn(6, 3), "y": torch.tensor([0, 1, 1, 0, 1, 0])}
+            >>> acc = fb.Accumulator(model, opt, micro_batch_size=2)
+            >>> grads = []
+            >>> handle = acc.register_window_hook(lambda: grads.append(model.weight.grad.clone()))
+            >>> for window in acc.windows([batch]):
+            ...     for micro in window:
+            ...         out = model(micro["x"])
+            ...         loss_sum, n = fb.cross_entropy_sum(out, micro["y"])
+            ...         window.backward(loss_sum, n, retain_graph=True)
+            ...         window.backward(1e-3 * out.square().sum(), 0)  # 2nd term, same items
+            ...     stats = window.step()
+            >>> len(grads)  # 3 micro-batches, 6 backward calls: one call, one window
+            1
+            >>> handle.remove()
+        """
+        return self._window_hooks.register(fn)
 
     # -- step, discard, close ----------------------------------------------------------------
 

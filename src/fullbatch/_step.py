@@ -109,7 +109,12 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         clip = 1.0
         if acc._max_grad_norm is not None:
             clip = min(1.0, acc._max_grad_norm / (grad_norm + 1e-6))
-        scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
+        if acc._window_hooks:  # the hooks see normalized, unclipped gradients
+            scale_grads(grads, factor)
+            acc._window_hooks.run()
+            scale_grads([p.grad for p in acc._params if p.grad is not None], clip)
+        else:
+            scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
         acc._guard.stepping = True
         try:
             if scaler is not None:
