@@ -10,6 +10,7 @@ Start with :class:`Accumulator`; prove equivalence on your own model with :func:
 from fullbatch import testing
 from fullbatch._accumulator import Accumulator
 from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
+from fullbatch._lr import scale_lr
 from fullbatch._stats import StepStats
 from fullbatch._verify import verify
 from fullbatch._verify_report import VerifyReport
@@ -26,6 +27,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "scale_lr",
     "testing",
     "verify",
 ]
