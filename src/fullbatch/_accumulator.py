@@ -15,6 +15,7 @@ from fullbatch._guards import LoopGuard
 from fullbatch._hooks import WindowHooks
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_window_size, trained_params
+from fullbatch._precision import make_grad_buffers
 from fullbatch._split import split_rows
 from fullbatch._stats import StepStats
 from fullbatch._step import abandon_window, discard_window, step_window
@@ -58,6 +59,11 @@ class Accumulator:
         fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch) or
             ``"micro_batch"`` (every micro-batch; less memory).
         grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
+        accumulate_dtype: ``torch.float32`` keeps a float32 gradient buffer for each bf16/fp16
+            parameter across the window (4 bytes per such parameter element); the norm,
+            normalization and clipping are computed from it, and the optimizer gets it cast
+            once to the parameter's dtype. Wider parameters are untouched. Under DDP it needs
+            ``ddp_sync="step"``; not with FSDP2 or a GradScaler (``ValueError``).
 
     Example:
         >>> import torch, fullbatch as fb
@@ -92,6 +98,7 @@ class Accumulator:
         ddp_sync: str = "last",
         fsdp_sync: str = "window",
         grad_divisor: float | None = None,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         self._micro_batches, self._micro_batch_size = check_window_size(
             micro_batches, micro_batch_size, partial_window
@@ -124,6 +131,9 @@ class Accumulator:
         self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
         self._guard = LoopGuard(optimizer, scheduler, self._params)
+        self._precision = make_grad_buffers(
+            accumulate_dtype, self._params, self._sync, self._scaler
+        )
         self._loss_scale: float | None = None
         self._window_hooks = WindowHooks()
         self._closed = False
@@ -340,6 +350,8 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self._params:
             p.grad = None
+        if self._precision is not None:
+            self._precision.clear()
 
     def _check_usable(self) -> None:
         if self._closed:
