@@ -125,15 +125,16 @@ class Accumulator:
             grad_divisor=grad_divisor,
         )
         self._params = trained_params(model, optimizer, distributed=self._sync.group is not None)
+        # Before any hook is registered: a refusal leaves nothing behind.
+        self._precision = make_grad_buffers(
+            accumulate_dtype, self._params, self._sync, self._scaler
+        )
         self._stat_device = (
             self._params[0].device if self._sync.group is None else self._sync.device
         )
         self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
         self._guard = LoopGuard(optimizer, scheduler, self._params)
-        self._precision = make_grad_buffers(
-            accumulate_dtype, self._params, self._sync, self._scaler
-        )
         self._loss_scale: float | None = None
         self._window_hooks = WindowHooks()
         self._closed = False
