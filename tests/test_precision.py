@@ -371,6 +371,7 @@ def test_accumulate_dtype_refusals(options: dict, match: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=match):
         fb.Accumulator(model, opt, micro_batches=2, **options)
+    assert not opt._optimizer_step_pre_hooks  # refused before registering anything
 
 
 def _ddp_bf16(rank: int, world: int) -> dict:
@@ -384,6 +385,13 @@ def _ddp_bf16(rank: int, world: int) -> dict:
         refused = ""
     except ValueError as error:
         refused = str(error)
+    try:
+        sharded = cases.wrap(cases.make_model(seed=1).to(BF16), "fsdp")
+        fsdp_opt = torch.optim.SGD(sharded.parameters(), lr=0.0)
+        fb.Accumulator(sharded, fsdp_opt, micro_batches=2, accumulate_dtype=torch.float32)
+        refused_fsdp = ""
+    except ValueError as error:
+        refused_fsdp = str(error)
     seen: list[torch.Tensor] = []
     opt.register_step_pre_hook(
         lambda o, a, k: seen.append(
@@ -397,7 +405,7 @@ def _ddp_bf16(rank: int, world: int) -> dict:
             for micro in window:
                 window.backward(*fb.cross_entropy_sum(ddp(micro["x"].to(BF16)), micro["y"]))
             window.step()
-    return {"refused": refused, "seen": seen}
+    return {"refused": refused, "refused_fsdp": refused_fsdp, "seen": seen}
 
 
 @pytest.mark.timeout(180)
@@ -408,6 +416,8 @@ def test_accumulate_dtype_under_ddp_needs_ddp_sync_step_and_is_synced() -> None:
     results = values(run_ranks(_ddp_bf16, 2))
     for res in results:
         assert "needs ddp_sync='step'" in res["refused"]
+        assert "under FSDP2 is not supported" in res["refused_fsdp"]
+        assert "MixedPrecisionPolicy" in res["refused_fsdp"]
         assert len(res["seen"]) == 1
     assert torch.equal(results[0]["seen"][0], results[1]["seen"][0])  # synced on every rank
     # the float32 full-batch gradient of the union of both ranks' data, at the bf16 weights

@@ -295,7 +295,8 @@ class Accumulator:
         over all micro-batches and all backward calls (however many loss terms), synced over
         data-parallel ranks (on every rank), unscaled (GradScaler) and normalized by the
         window's count (with ``accumulate_dtype``: computed from the float32 buffers and
-        cast to the parameter's dtype). Clipping and the optimizer step come after it.
+        cast to the parameter's dtype). Under FSDP2 each rank's ``p.grad`` is its shard (a
+        DTensor). Clipping and the optimizer step come after it.
 
         This replaces per-backward hooks: ``p.register_post_accumulate_grad_hook`` (and
         ``Tensor.register_hook``) fire once per backward call, so under accumulation they see
