@@ -3,6 +3,7 @@ statistics equal to one full-batch forward in train mode (float64)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -215,3 +216,55 @@ def test_close_removes_hooks() -> None:
     before = model.bn.num_batches_tracked.clone()
     F.cross_entropy(model(windows("conv", 1)[0]["x"]), torch.zeros(7, dtype=torch.long))
     assert int(model.bn.num_batches_tracked) == int(before) + 1
+
+
+def _skipping_loss(reason: str, model: nn.Module, micro: dict) -> tuple[torch.Tensor, int]:
+    loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
+    if reason == "non-finite loss":
+        return loss_sum + math.inf, n
+    if reason == "non-finite gradient":  # the value stays finite: sqrt(0) = 0, d/dw = inf
+        w = model.out.weight
+        return loss_sum + torch.sqrt(w - w.detach()).sum(), n
+    return loss_sum, n
+
+
+@pytest.mark.parametrize(
+    "reason", ["no items counted in the window", "non-finite loss", "non-finite gradient"]
+)
+def test_each_skip_reason_leaves_running_stats_and_the_next_window_exact(reason: str) -> None:
+    """A skipped window leaves every BatchNorm buffer (num_batches_tracked too) bit for bit as
+    before it, and the next window's update is as if the skipped one never ran."""
+    data = windows("mlp", 3)
+    if reason.startswith("no items"):
+        data[1]["y"][:] = -100
+    model = make("mlp", 0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the two runs see equal weights
+    history = []
+    with fb.Accumulator(model, opt, micro_batch_size=4, batchnorm="window") as acc:
+        for window in acc.windows(data):
+            start = buffers(model)
+            for micro in window:
+                if window.index == 1:
+                    window.backward(*_skipping_loss(reason, model, micro))
+                else:
+                    window.backward(*fb.cross_entropy_sum(model(micro["x"]), micro["y"]))
+            with pytest.warns(RuntimeWarning) if window.index == 1 else warnings.catch_warnings():
+                stats = window.step()
+            history.append((start, buffers(model), stats))
+    start, end, stats = history[1]
+    assert stats.skipped and stats.reason == reason
+    assert start.keys() == end.keys()
+    for key in start:
+        assert torch.equal(start[key], end[key]), key
+    # the same model trained on windows 0 and 2 only
+    ref = make("mlp", 0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    with fb.Accumulator(ref, ref_opt, micro_batch_size=4, batchnorm="window") as acc:
+        for window in acc.windows([data[0], data[2]]):
+            for micro in window:
+                window.backward(*fb.cross_entropy_sum(ref(micro["x"]), micro["y"]))
+            window.step()
+    got, want = buffers(model), buffers(ref)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert int(model.bn.num_batches_tracked) == 2

@@ -24,6 +24,7 @@ DOCUMENTED = {
     "verify",
     "VerifyReport",
     "testing",
+    "scale_lr",
 }
 
 

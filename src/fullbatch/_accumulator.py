@@ -8,12 +8,15 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
+from fullbatch._hooks import WindowHooks
 from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
+from fullbatch._precision import make_grad_buffers
 from fullbatch._stats import StepStats
 from fullbatch._step import abandon_window, discard_window, step_window
 from fullbatch._sync import make_sync
@@ -74,6 +77,11 @@ class Accumulator:
         fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch) or
             ``"micro_batch"`` (every micro-batch; less memory).
         grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
+        accumulate_dtype: ``torch.float32`` keeps a float32 gradient buffer for each bf16/fp16
+            parameter across the window (4 bytes per such parameter element); the norm,
+            normalization and clipping are computed from it, and the optimizer gets it cast
+            once to the parameter's dtype. Wider parameters are untouched. Under DDP it needs
+            ``ddp_sync="step"``; not with FSDP2 or a GradScaler (``ValueError``).
 
     Example:
         >>> import torch, fullbatch as fb
@@ -111,6 +119,7 @@ class Accumulator:
         micro_batch_tokens: int | str | None = None,
         sort_rows: bool = False,
         lengths: Lengths = "attention_mask",
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         self._micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
@@ -144,6 +153,10 @@ class Accumulator:
             grad_divisor=grad_divisor,
         )
         self._params = trained_params(model, optimizer, distributed=self._sync.group is not None)
+        # Before any hook is registered: a refusal leaves nothing behind.
+        self._precision = make_grad_buffers(
+            accumulate_dtype, self._params, self._sync, self._scaler
+        )
         self._stat_device = (
             self._params[0].device if self._sync.group is None else self._sync.device
         )
@@ -151,6 +164,7 @@ class Accumulator:
         warn_batchnorm(model, window_statistics=batchnorm == "window")
         self._guard = LoopGuard(optimizer, scheduler, self._params)
         self._loss_scale: float | None = None
+        self._window_hooks = WindowHooks()
         self._closed = False
         self.steps = 0
         """Optimizer steps taken so far."""
@@ -328,6 +342,55 @@ class Accumulator:
             totals.append(total)
         return totals
 
+    def register_window_hook(self, fn: Callable[[], Any]) -> RemovableHandle:
+        """Call ``fn()`` once per window, on the final gradients, before clipping.
+
+        When ``fn`` runs, every ``p.grad`` is the full-batch gradient of the window: summed
+        over all micro-batches and all backward calls (however many loss terms), synced over
+        data-parallel ranks (on every rank), unscaled (GradScaler) and normalized by the
+        window's count (with ``accumulate_dtype``: computed from the float32 buffers and
+        cast to the parameter's dtype). Under FSDP2 each rank's ``p.grad`` is its shard (a
+        DTensor). Clipping and the optimizer step come after it.
+
+        This replaces per-backward hooks: ``p.register_post_accumulate_grad_hook`` (and
+        ``Tensor.register_hook``) fire once per backward call, so under accumulation they see
+        partial, unnormalized sums K times per step (ColossalAI #5601). Move such code
+        (gradient logging, noise, projection, custom statistics) into a window hook, e.g.
+        ``acc.register_window_hook(lambda: [hook(p) for p in model.parameters()])``.
+
+        Not called on a skipped window (zero items, non-finite loss or gradient): its
+        gradients are undefined or not finite and are thrown away, nothing is stepped
+        (``stats.skipped`` reports it); nor on a discarded window. A hook may modify
+        gradients in place; clipping then multiplies them by the factor computed from
+        ``stats.grad_norm``, the norm measured before the hooks ran.
+
+        Returns:
+            a handle whose ``.remove()`` unregisters ``fn``.
+
+        Raises:
+            ValueError: ``fn`` is not callable.
+
+        Example:
+            >>> import torch, fullbatch as fb
+            >>> model = torch.nn.Linear(3, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> batch = {"x": torch.randn(6, 3), "y": torch.tensor([0, 1, 1, 0, 1, 0])}
+            >>> acc = fb.Accumulator(model, opt, micro_batch_size=2)
+            >>> grads = []
+            >>> handle = acc.register_window_hook(lambda: grads.append(model.weight.grad.clone()))
+            >>> for window in acc.windows([batch]):
+            ...     for micro in window:
+            ...         out = model(micro["x"])
+            ...         loss_sum, n = fb.cross_entropy_sum(out, micro["y"])
+            ...         window.backward(loss_sum, n, retain_graph=True)
+            ...         window.backward(1e-3 * out.square().sum(), 0)  # 2nd term, same items
+            ...     stats = window.step()
+            >>> len(grads)  # 3 micro-batches, 6 backward calls: one call, one window
+            1
+            >>> handle.remove()
+        """
+        return self._window_hooks.register(fn)
+
     # -- step, discard, close ----------------------------------------------------------------
 
     def _step(self, window: Window) -> StepStats:
@@ -343,6 +406,8 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self._params:
             p.grad = None
+        if self._precision is not None:
+            self._precision.clear()
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -60,9 +60,16 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         abandon_window(acc)
         raise RuntimeError(acc._guard.scheduler_message())
     sync = acc._sync
+    precision = acc._precision  # accumulate_dtype: the float32 buffers stand in for .grad
     if sync.reduce_at_step:
-        sync.reduce_gradients(acc._params)
-    grads = [p.grad for p in acc._params if p.grad is not None]
+        if precision is not None:
+            precision.reduce(sync)
+        else:
+            sync.reduce_gradients(acc._params)
+    if precision is not None:
+        grads = precision.grads()
+    else:
+        grads = [p.grad for p in acc._params if p.grad is not None]
     loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(acc, window, grads)
     if discarded:
         abandon_window(acc)
@@ -109,7 +116,16 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         clip = 1.0
         if acc._max_grad_norm is not None:
             clip = min(1.0, acc._max_grad_norm / (grad_norm + 1e-6))
-        scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
+        if acc._window_hooks:  # the hooks see normalized, unclipped gradients
+            scale_grads(grads, factor)
+            if precision is not None:
+                precision.write_back()
+            acc._window_hooks.run()
+            scale_grads([p.grad for p in acc._params if p.grad is not None], clip)
+        else:
+            scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
+            if precision is not None:
+                precision.write_back()  # cast once, after normalizing and clipping in float32
         acc._guard.stepping = True
         try:
             if scaler is not None:

@@ -98,6 +98,9 @@ class Sync:
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """Bucketed all-reduce (sum) of gradients at the step, for ``ddp_sync="step"``."""
 
+    def reduce_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Bucketed all-reduce (sum) of tensors, in place (``accumulate_dtype`` buffers)."""
+
     def finish_window(self) -> None:
         """The window was stepped or discarded."""
 
@@ -165,14 +168,18 @@ class _DDPSync(Sync):
         return bool(self.model.will_sync_module_buffers())
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        bucket_bytes = 25 * 1024 * 1024
-        bucket: list[torch.Tensor] = []
-        size = 0
         for p in params:
             if p.grad is None:  # unused here, maybe used on another rank: reduce zeros
                 p.grad = torch.zeros_like(p)
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
+        self.reduce_tensors([p.grad for p in params if p.grad is not None])
+
+    def reduce_tensors(self, tensors: list[torch.Tensor]) -> None:
+        bucket_bytes = 25 * 1024 * 1024
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in tensors:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
             if size >= bucket_bytes:
                 self._reduce_bucket(bucket)
                 bucket, size = [], 0

@@ -207,6 +207,8 @@ class Window:
             # Seeding backward with c (times the GradScaler's scale) is backward(c · loss)
             # without an extra multiply in the graph: c is a power of two, so both are exact.
             torch.autograd.backward(loss, grad_tensors=self._seed(loss, form), **autograd_kwargs)
+        if self._acc._precision is not None:  # accumulate_dtype: move .grad into the buffers
+            self._acc._precision.after_backward()
         guard.after_backward()
         self._record(loss, checked, form)
 
