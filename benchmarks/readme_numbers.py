@@ -134,7 +134,10 @@ def render(results: dict[str, Any]) -> dict[str, str]:
         f"{demo['steps']} steps (float32 rounding: the same batch with its rows permuted gives "
         f"{sci(demo['permuted_rows'])}), naive is off by up to {demo['naive']:.0%}."
     )
-    ratios = ", ".join(f"{r['ratio']:.3f} at {r['micro_batch_size']}-row" for r in over["rows"])
+    ratios = ", ".join(
+        f"{r['ratio']:.3f} ({r['ci_low']:.2f}-{r['ci_high']:.2f}) at {r['micro_batch_size']}-row"
+        for r in over["rows"]
+    )
     lines = [
         fill(
             f"Measured by `python benchmarks/readme_numbers.py --write`, which runs the three "
@@ -149,25 +152,16 @@ def render(results: dict[str, Any]) -> dict[str, str]:
         f"(rows permuted: {sci(demo['permuted_rows'])}); naive `loss / K` off by up to "
         f"{demo['naive']:.0%} |",
         f"| bookkeeping cost, one process | `{OVERHEAD_CMD}` | fullbatch / hand-written "
-        f"`loss_sum / N` loop, s/window: {ratios} micro-batches (table below) |",
+        f"`loss_sum / N` loop, s/window (95% interval): {ratios} micro-batches (table below) |",
         f"| gradient sync, {ddp['world']} gloo ranks | `{DDP_CMD}` | {ddp['fullbatch']:.3f} "
         f"s/window vs {ddp['sync_every']:.3f} s for a loop that syncs every micro-batch "
         f"({ddp['sync_every'] / ddp['fullbatch']:.2f}x, K={ddp['micro_batches']}, "
         f"{ddp['params'] / 1e6:.1f}M parameters) |",
         "",
-        fill(
-            f"Bookkeeping cost by micro-batch size ({over['setup']}; medians, spread: 25th to "
-            "75th percentile of the per-window ratio):"
-        ),
+        fill(f"Bookkeeping cost by micro-batch size ({over['setup']}; {over['note']}):"),
         "",
-        "| micro-batch rows | micro-batches | hand-written s/window | fullbatch s/window "
-        "| ratio | spread |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {r['micro_batch_size']} | {r['micro_batches']} | {r['hand']:.4f} | "
-        f"{r['fullbatch']:.4f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |"
-        for r in over["rows"]
+        over["header"],
+        *over["table"],
     ]
     lines += [
         "",
@@ -176,8 +170,8 @@ def render(results: dict[str, Any]) -> dict[str, str]:
             "whatever the number of threads: its corpus is the standard library's docstrings "
             f"(here Python {demo['python']}, corpus digest `{demo['corpus']}`, printed by the "
             "demo), so another Python version trains on other text and gives other, equally "
-            "small, numbers. Timings vary from run to run: a ratio means something only "
-            "within its spread."
+            "small, numbers. Timings vary from run to run: a ratio is known only to within "
+            "its 95% interval."
         ),
     ]
     return {"demo": intro, "measured": "\n".join(lines)}
@@ -194,7 +188,9 @@ def rewrite(text: str, sections: dict[str, str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite README.md and docs/demo.png")
-    parser.add_argument("--quick", action="store_true", help="few steps and reps (~1 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="few steps and reps (~2 min); writes nothing"
+    )
     args = parser.parse_args()
     if args.quick and args.write:
         parser.error("--quick numbers are for checking the pipeline; --write needs a full run")
