@@ -68,7 +68,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _placements(t: torch.Tensor) -> str:
     """A DTensor's mesh size and placements, as text ("" for a plain tensor)."""
     mesh = getattr(t, "device_mesh", None)
-    return "" if mesh is None else f"{mesh.size()}:{tuple(t.placements)}"  # type: ignore[attr-defined]
+    if mesh is None:
+        return ""
+    placements: Any = getattr(t, "placements", ())
+    return f"{mesh.size()}:{tuple(placements)}"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -144,6 +147,22 @@ class Resume:
                 "handed out but has no backward yet: that micro-batch would be lost on resume. "
                 "Take the state after window.backward(loss_sum, n), at the end of the loop body."
             )
+        sync = acc._sync
+        if (
+            window is not None
+            and done
+            and sync.kind == "fsdp2"
+            and getattr(sync, "mode", "") == "window"
+        ):
+            if not window._final_backward:
+                raise RuntimeError(
+                    f"acc.state_dict() inside window {window.index} with FSDP2 and "
+                    "fsdp_sync='window': FSDP2 holds the window's unsharded gradients itself "
+                    "until the last micro-batch, out of a state's reach. Build the Accumulator "
+                    "with fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-"
+                    "scattered into the sharded .grad, which the state holds), or take the "
+                    "state at a window boundary (after window.step())."
+                )
         state: dict[str, Any] = {
             "format": FORMAT,
             **self._identity(),
@@ -310,7 +329,8 @@ def _as_grad(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     # type(p) is DTensor: taken from the parameter, so that only _sync.py imports
     # torch.distributed.
     dtensor: Any = type(p.detach())
-    return dtensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride())  # type: ignore[attr-defined]
+    placements: Any = getattr(p, "placements", ())
+    return dtensor.from_local(local, mesh, placements, shape=p.shape, stride=p.stride())
 
 
 def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:
