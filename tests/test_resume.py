@@ -75,7 +75,10 @@ def train(
             return save(*objs)
         for j, micro in enumerate(window):
             loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-            window.backward(loss_sum, n)
+            if acc._counts is not None:  # up-front normalization: shares of window.totals
+                window.backward(loss_sum / window.totals["items"])
+            else:
+                window.backward(loss_sum, n)
             if stop == (w, j + 1):
                 return save(*objs)
         window.step()
@@ -174,6 +177,22 @@ def test_resume_matches_the_full_batch_reference() -> None:
     train(fresh, data[states[2]["loader_items"] :])
     for p, q in zip(fresh[0].parameters(), ref.parameters(), strict=True):
         assert ((p - q).abs().max() / q.abs().max()).item() < 1e-12
+
+
+@pytest.mark.parametrize("stop", [(1, 2), (2, 4)])
+def test_counts_and_shares_resume(stop: tuple[int, int]) -> None:
+    counts = {"items": lambda m: int((m["y"] != -100).sum())}
+    model, _ = uninterrupted("micro_batches", counts=counts)
+    fresh = resumed("micro_batches", stop, counts=counts)
+    assert_bitwise(model, fresh[0])
+
+
+def test_a_loaded_state_is_saved_as_loaded() -> None:
+    state = mid_window_state()
+    _, _, _, acc = build("micro_batches")
+    acc.load_state_dict(state)
+    again = acc.state_dict()
+    assert again["loader_items"] == K and again["window"]["micro_batches_done"] == 2
 
 
 def test_batchnorm_window_resumes_mid_window() -> None:

@@ -132,38 +132,13 @@ class Resume:
 
     def state_dict(self) -> dict[str, Any]:
         acc = self._acc
-        if self._pending is not None:
-            raise RuntimeError(
-                "acc.state_dict() after acc.load_state_dict() but before the resumed window "
-                "started: call acc.windows(loader) and iterate first, or save the loaded state."
-            )
-        window = self._window
-        if window is not None and window._closed:
-            window = None
-        done = window._yielded if window is not None else 0
-        if window is not None and done and window._current_backwards == 0:
-            raise RuntimeError(
-                f"acc.state_dict() while micro-batch {done - 1} of window {window.index} is "
-                "handed out but has no backward yet: that micro-batch would be lost on resume. "
-                "Take the state after window.backward(loss_sum, n), at the end of the loop body."
-            )
-        sync = acc._sync
-        if (
-            window is not None
-            and done
-            and sync.kind == "fsdp2"
-            and getattr(sync, "mode", "") == "window"
-        ):
-            if not window._final_backward:
-                raise RuntimeError(
-                    f"acc.state_dict() inside window {window.index} with FSDP2 and "
-                    "fsdp_sync='window': FSDP2 holds the window's unsharded gradients itself "
-                    "until the last micro-batch, out of a state's reach. Build the Accumulator "
-                    "with fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-"
-                    "scattered into the sharded .grad, which the state holds), or take the "
-                    "state at a window boundary (after window.step())."
-                )
-        state: dict[str, Any] = {
+        if self._pending is not None:  # loaded, not resumed yet: still the loaded state
+            return dict(self._pending)
+        window = self._window if self._window is not None and not self._window._closed else None
+        inside = window is not None and window._yielded > 0
+        if window is not None and inside:
+            self._check_safe(window)
+        return {
             "format": FORMAT,
             **self._identity(),
             "steps": acc.steps,
@@ -172,9 +147,30 @@ class Resume:
             "scheduler_epoch": acc._guard._scheduler_epoch(),
             "loader_items": self._window_start if window is not None else self.taken(),
             "rng": _rng_state(),
-            "window": self._window_state(window) if window is not None and done else None,
+            "window": self._window_state(window) if window is not None and inside else None,
         }
-        return state
+
+    def _check_safe(self, window: Window) -> None:
+        """Raise where a state would lose work: a micro-batch without its backward yet, or
+        gradients FSDP2 holds itself."""
+        if window._current_backwards == 0:
+            raise RuntimeError(
+                f"acc.state_dict() while micro-batch {window._yielded - 1} of window "
+                f"{window.index} is handed out but has no backward yet: it would be lost on "
+                "resume. Take the state after window.backward(loss_sum, n), at the end of the "
+                "loop body."
+            )
+        sync = self._acc._sync
+        fsdp_window = sync.kind == "fsdp2" and getattr(sync, "mode", "") == "window"
+        if fsdp_window and not window._final_backward:
+            raise RuntimeError(
+                f"acc.state_dict() inside window {window.index} with FSDP2 and "
+                "fsdp_sync='window': FSDP2 holds the window's unsharded gradients itself until "
+                "the last micro-batch, out of a state's reach. Build the Accumulator with "
+                "fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-scattered into "
+                "the sharded .grad, which the state holds), or take the state at a window "
+                "boundary (after window.step())."
+            )
 
     def _identity(self) -> dict[str, Any]:
         acc = self._acc
