@@ -238,6 +238,7 @@ def unchanged(acc: fb.Accumulator) -> tuple[Any, ...]:
         ({"mode": "micro_batch_size", "window_size": ROWS}, "mode='micro_batch_size'"),
         ({"window_size": K + 1}, f"window_size={K + 1}"),
         ({"sync": "ddp"}, "sync='ddp'"),
+        ({"batchnorm": "window"}, "batchnorm='window'"),
         ({"format": 99}, "format=99"),
     ],
 )

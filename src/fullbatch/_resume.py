@@ -180,6 +180,7 @@ class Resume:
             "sync": acc._sync.kind,
             "world_size": acc._sync.world,
             "rank": acc._sync.rank,
+            "batchnorm": "window" if acc._batchnorm is not None else None,
             "params": list(self._names),
             "shapes": [list(p.shape) for p in acc._params],
         }
@@ -244,13 +245,14 @@ class Resume:
                 + "."
             )
         mine = self._identity()
-        for key in ("world_size", "rank", "sync", "mode", "window_size"):
+        for key in ("world_size", "rank", "sync", "mode", "window_size", "batchnorm"):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"this state was saved with {key}={state.get(key)!r}, but this Accumulator "
                     f"has {key}={mine[key]!r}; a window's gradients and position only make sense "
                     "in the same setup. Resume with the same world size (each rank loads its own "
-                    "state), wrapper, micro_batches / micro_batch_size as the run that saved it."
+                    "state), wrapper, micro_batches / micro_batch_size and batchnorm= as the run "
+                    "that saved it."
                 )
         if state.get("params") != mine["params"] or state.get("shapes") != mine["shapes"]:
             diff = _first_difference(state, mine)
@@ -292,8 +294,6 @@ class Resume:
                     f"after {done}: the loader does not start at state['loader_items'] or "
                     "yields different items. Give acc.windows() the loader from that item on."
                 )
-        if window.loss_scale != saved["loss_scale"]:  # acc._loss_scale was restored: never
-            raise RuntimeError(f"c differs: {window.loss_scale} != {saved['loss_scale']}")
         window._yielded = done
         window._backwards = int(saved["backwards"])
         window._form = saved["form"]
