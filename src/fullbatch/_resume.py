@@ -16,9 +16,11 @@ micro-batch's ``window.backward`` resumes after that micro-batch. Taken while a 
 handed out but before its backward, the state would lose it: that raises. A state is a dict of
 tensors, numbers, strings and lists (``torch.load(weights_only=True)`` reads it); each rank
 saves its own. FSDP2 gradients are DTensor shards: each rank saves its local shard, and loading
-checks the mesh size and placements. A state from another world size, rank, model (parameter
-names and shapes), sync kind or window mode is refused with ``ValueError`` before anything
-changes.
+checks the mesh size and placements; with ``fsdp_sync="window"`` FSDP2 holds the window's
+unsharded gradients itself, so a state inside such a window raises (``"micro_batch"`` works).
+A state from another world size, rank, model (parameter names and shapes), sync kind, window
+mode or ``batchnorm=`` is refused with ``ValueError`` before anything changes. Restored
+gradients re-arm the loop guard's sentinel: they are fullbatch's own, not a stray backward.
 """
 
 from __future__ import annotations
