@@ -17,6 +17,7 @@ from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
 from fullbatch._precision import make_grad_buffers
+from fullbatch._resume import Resume
 from fullbatch._stats import StepStats
 from fullbatch._step import abandon_window, discard_window, step_window
 from fullbatch._sync import make_sync
@@ -166,6 +167,7 @@ class Accumulator:
         self._loss_scale: float | None = None
         self._window_hooks = WindowHooks()
         self._closed = False
+        self._resume = Resume(self)
         self.steps = 0
         """Optimizer steps taken so far."""
         self.skipped_windows = 0
@@ -219,11 +221,12 @@ class Accumulator:
 
     def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
-        stream = Stream(loader)
+        stream = Stream(self._resume.count(loader))
         index = 0
         while True:
             if self._guard.scheduler_moved():
                 raise RuntimeError(self._guard.scheduler_message())
+            first_item = self._resume.taken()
             feed = self._next_feed(stream)
             start = self._start_window(feed, stream)
             if start is None:
@@ -235,6 +238,7 @@ class Accumulator:
                 self._batchnorm.start()
             window = Window(self, feed, index=index, loss_scale=loss_scale, totals=totals)
             self._guard.start_window(index)
+            self._resume.begin(window, first_item)
             yield window
             if not window._closed:
                 self._sync.end()
@@ -390,6 +394,51 @@ class Accumulator:
             >>> handle.remove()
         """
         return self._window_hooks.register(fn)
+
+    # -- checkpoint and resume ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Accumulator's state, at a window boundary or between two micro-batches.
+
+        Save it next to the model, optimizer, scaler and scheduler states (each rank its
+        own). Between micro-batches (after ``window.backward``) it holds the window so far:
+        gradients (FSDP2: this rank's shards), loss sums and counts, ``c``, the micro-batches
+        done, BatchNorm window statistics. Always: ``steps``, ``skipped_windows``, the RNG
+        state and ``state["loader_items"]``, the loader items consumed before the
+        interrupted window began (counted over this ``acc.windows(loader)``'s loader, from
+        where it was resumed). Tensors, numbers, strings and lists only:
+        ``torch.load(path, weights_only=True)`` reads it. See docs/checkpointing.md.
+
+        Raises:
+            RuntimeError: a micro-batch is handed out but its ``window.backward`` was not
+                called yet (it would be lost): take the state after the backward.
+
+        Example:
+            >>> import torch, fullbatch as fb
+            >>> model = torch.nn.Linear(3, 2)
+            >>> acc = fb.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batches=2)
+            >>> state = acc.state_dict()
+            >>> state["loader_items"], state["steps"], state["window"]
+            (0, 0, None)
+        """
+        return self._resume.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next ``acc.windows(loader)`` continues the window.
+
+        Load the model, optimizer, scaler and scheduler states too, then call
+        ``acc.windows(loader)`` with a loader that starts at item ``state["loader_items"]``:
+        the interrupted window is rebuilt from the same items, the micro-batches already
+        accumulated are read and skipped (not run), their gradients and sums are put back and
+        the RNG state is restored before the first micro-batch computed. On CPU the result is
+        bitwise the uninterrupted run's.
+
+        Raises:
+            ValueError: the state is from another world size or rank, sync kind, model
+                (parameter names or shapes), window mode or size; nothing is changed.
+            RuntimeError: a window is open.
+        """
+        self._resume.load_state_dict(state)
 
     # -- step, discard, close ----------------------------------------------------------------
 

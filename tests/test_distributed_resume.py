@@ -1,0 +1,74 @@
+"""Resume under DDP and FSDP2 on 2 gloo ranks: every rank saves its own state mid-window (or at
+a boundary); fresh objects load it and finish the run; every rank's parameters equal the
+uninterrupted run's to 1e-12 (float64, dropout, AdamW)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _resume_cases as cases
+from _dist import run_ranks, values
+from _dist_cases import reference_run, reference_windows
+
+pytestmark = pytest.mark.timeout(180)
+
+# Per rank, the rows of its micro-batches: with K=3, windows of 3, 3 and a partial tail
+# (1 micro-batch on rank 0, 2 on rank 1).
+LAYOUT = [[3, 1, 4, 2, 5, 2, 3], [2, 6, 1, 3, 2, 4, 1, 2]]
+# Where every rank saves: after window 1's step, after 1 and 2 of its 3 micro-batches, and
+# after the first micro-batch of the tail window. That last point is one where both ranks
+# stand only when no backward synchronizes there: under DDP's default rank 0's only tail
+# micro-batch synchronizes with rank 1's second, so rank 1 cannot save before it.
+STOPS = [(1, None), (1, 1), (1, 2)]
+CASES = [
+    *[("ddp", {}, stop) for stop in STOPS],
+    *[("ddp", {"ddp_sync": "step"}, stop) for stop in [*STOPS, (2, 1)]],
+    *[("fsdp", {"fsdp_sync": "micro_batch"}, stop) for stop in [*STOPS, (2, 1)]],
+]
+
+
+@pytest.mark.parametrize(("wrapper", "options", "stop"), CASES)
+def test_resume_equals_uninterrupted(wrapper: str, options: dict, stop: tuple) -> None:
+    spec = {"wrapper": wrapper, "layout": LAYOUT, "k": 3, "options": options, "stop": stop}
+    results = values(run_ranks(cases.resume_run, 2, spec))
+    for rank, res in enumerate(results):
+        got, want = res["resumed"], res["uninterrupted"]
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-12, f"rank {rank}: resumed run off by {err:.3g}"
+        assert torch.equal(results[0]["resumed"], got)  # every rank holds the same model
+        assert res["loader_items"] == (6 if stop[0] == 2 or stop[1] is None else 3)
+        if stop[1] is not None:
+            assert res["done"] == stop[1] and res["grads"]  # gradients travelled
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "options"), [("ddp", {}), ("fsdp", {"fsdp_sync": "micro_batch"})]
+)
+def test_resumed_run_is_the_full_batch_run(wrapper: str, options: dict) -> None:
+    """No dropout, SGD with momentum: the resumed run's parameters are the plain float64
+    full-batch run's on the union of both ranks' data."""
+    spec = {"wrapper": wrapper, "layout": LAYOUT, "k": 3, "options": options, "stop": (1, 2)}
+    spec["plain"] = True
+    want = reference_run(reference_windows(LAYOUT, 3))[-1]
+    for res in values(run_ranks(cases.resume_run, 2, spec)):
+        err = ((res["resumed"] - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-12, err
+
+
+def test_fsdp_boundary_resume_with_window_sync() -> None:
+    spec = {"wrapper": "fsdp", "layout": LAYOUT, "k": 3, "options": {}, "stop": (1, None)}
+    for res in values(run_ranks(cases.resume_run, 2, spec)):
+        got, want = res["resumed"], res["uninterrupted"]
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
+
+
+def test_fsdp_window_sync_refuses_a_mid_window_state() -> None:
+    for message in values(run_ranks(cases.fsdp_window_refuses, 2)):
+        assert "fsdp_sync='micro_batch'" in message
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_a_single_process_state_is_refused(wrapper: str) -> None:
+    for message in values(run_ranks(cases.refused_world, 2, wrapper)):
+        assert "world_size=1" in message and "world_size=2" in message
