@@ -13,11 +13,11 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
 from fullbatch._hooks import WindowHooks
-from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
 from fullbatch._precision import make_grad_buffers
 from fullbatch._resume import Resume
+from fullbatch._start import start_window
 from fullbatch._stats import StepStats
 from fullbatch._step import abandon_window, discard_window, step_window
 from fullbatch._sync import make_sync
@@ -25,9 +25,6 @@ from fullbatch._window import Window
 from fullbatch._windows import Feed, Stream, Windows
 
 __all__ = ["Accumulator"]
-
-# Slots of the window-start all-gather: one row per rank.
-_REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
 
 
 class Accumulator:
@@ -274,77 +271,7 @@ class Accumulator:
     def _start_window(
         self, feed: Feed, stream: Stream
     ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
-        """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
-
-        Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
-        """
-        real = feed.real
-        grads = any(p.grad is not None for p in self._params)
-        # The first window's c comes from an estimate of its items (all ranks together).
-        expected = len(real) if feed.read_all else self._micro_batches or 1
-        hint = estimate_items(real[0]) * expected if real and self._loss_scale is None else 0.0
-        can_pad = self._padding_micro_batch is not None or stream.last is not None
-        row = [
-            float(len(real)),
-            float(feed.full if self._partial_window == "drop" else True),
-            float(can_pad),
-            hint,
-            float(grads),
-        ]
-        names = list(self._counts or {})
-        local_totals = self._local_totals(real) if self._counts is not None else []
-        table = self._sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
-        rows = table.tolist()
-        if not any(r[_REAL] for r in rows):
-            return None
-        if any(r[_GRADS] for r in rows):
-            raise RuntimeError(
-                "gradients are already present when a window starts; fullbatch accumulates "
-                "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
-                "window.discard() to abandon a window."
-            )
-        if self._partial_window == "drop" and not all(r[_FULL] for r in rows):
-            return False
-        self._pad(feed, rows, stream)
-        if self._loss_scale is None:
-            self._loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
-        totals = None
-        if self._counts is not None:
-            sums = table[:, len(row) :].sum(dim=0).tolist()
-            totals = dict(zip(names, sums, strict=True))
-        return self._loss_scale, totals
-
-    def _pad(self, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
-        mine = self._sync.rank
-        if self._sync.equal_micro_batches:
-            need = [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-        elif self._sync.kind == "ddp" and not self._sync.reduce_at_step:
-            need = [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
-        else:
-            return
-        stuck = [
-            rank
-            for rank, (n, r) in enumerate(zip(need, rows, strict=True))
-            if n and not r[_CAN_PAD]
-        ]
-        if stuck:
-            raise ValueError(
-                f"rank(s) {stuck} have no micro-batch in this window and nothing to pad with. "
-                "Give the Accumulator padding_micro_batch=lambda: <a micro-batch>, or give "
-                "every rank data (e.g. DistributedSampler(..., drop_last=False))."
-            )
-        make = self._padding_micro_batch or (lambda: stream.last)
-        feed.add_padding(need[mine], make)
-
-    def _local_totals(self, real: list[Any]) -> list[float]:
-        totals = []
-        for fn in (self._counts or {}).values():
-            total = 0.0
-            for micro in real:
-                value = check_count(fn(micro))
-                total += float(value)
-            totals.append(total)
-        return totals
+        return start_window(self, feed, stream)
 
     def register_window_hook(self, fn: Callable[[], Any]) -> RemovableHandle:
         """Call ``fn()`` once per window, on the final gradients, before clipping.
