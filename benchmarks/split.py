@@ -15,6 +15,8 @@ parameters never move and every window is compared at the same point):
   (c) Hugging Face Accelerate's documented accumulate() on (b)'s micro-batches (loss / K)
   (d) fullbatch, micro_batch_size=8, sort_rows=True
   (e) fullbatch, micro_batch_tokens=8*512
+  (f) fullbatch, micro_batch_tokens="auto" with window.run, where a simulated memory limit lets
+      at most 8*512 padded tokens through a forward (the first window finds the budget)
 
 Arms alternate window by window in one process; the table shows medians over windows.
 Gradient error: ||g - g_full|| / ||g_full|| against the whole window in one float32 forward and
@@ -213,19 +215,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def auto_row() -> str:
-    """The cost of ``"auto"`` finding its size, once it exists (another engineer builds it)."""
-    model = torch.nn.Linear(1, 1)
+def auto_arm(model: torch.nn.Module, fits: int, first: dict[str, float]) -> Arm:
+    """(f) ``micro_batch_tokens="auto"`` where at most ``fits`` padded tokens fit in a forward.
+
+    The memory limit is simulated (a forward pre-hook raises ``torch.OutOfMemoryError`` above
+    ``fits`` tokens), so the CPU run shows what a GPU would do: the first window starts whole,
+    halves until a micro-batch fits, and later windows reuse the size. ``first`` receives the
+    first window's seconds and retries.
+    """
+
+    def limit(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.numel() > fits:
+            raise torch.OutOfMemoryError(f"{ids.numel()} tokens > {fits} (simulated)")
+
+    model.register_forward_pre_hook(limit, with_kwargs=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    try:
-        fb.Accumulator(model, opt, micro_batch_tokens="auto").close()
-    except NotImplementedError:
-        return (
-            "(f) micro_batch_tokens='auto': not measured yet - 'auto' (window.run(fn), OOM "
-            "recovery) is being built by another engineer; this row will report the seconds "
-            "and retries it spends finding its size on the first window."
-        )
-    return "(f) micro_batch_tokens='auto' exists now: add its arm (window.run(fn), stats.retries)."
+    acc = fb.Accumulator(model, opt, micro_batch_tokens="auto")
+
+    def run(window: Batch, tally: Tally) -> None:
+        def step(micro: Batch) -> Any:
+            tally.saw(micro)
+            return fb.causal_lm_loss(logits(model, micro), micro["labels"])
+
+        start = time.perf_counter()
+        for w in acc.windows([window]):
+            stats = w.run(step)
+        if not first:
+            first.update(seconds=time.perf_counter() - start, retries=stats.retries)
+            first["budget"] = acc.micro_batch_tokens or 0
+
+    return run, opt
 
 
 def main() -> None:
@@ -249,6 +269,7 @@ def main() -> None:
     ]
     base = tiny_llama(args.seed).to(device)
     base.eval()  # no dropout: every arm computes the same function
+    first: dict[str, float] = {}
     arms: dict[str, Arm] = {
         "(a) micro_batch_size=8": fullbatch_arm(copy.deepcopy(base), micro_batch_size=MICRO),
         "(b) hand loop, own width": hand_loop(copy.deepcopy(base)),
@@ -259,6 +280,7 @@ def main() -> None:
         "(e) micro_batch_tokens=8*512": fullbatch_arm(
             copy.deepcopy(base), micro_batch_tokens=MICRO * MAX_LEN
         ),
+        "(f) tokens='auto', 4096 fit": auto_arm(copy.deepcopy(base), MICRO * MAX_LEN, first),
     }
     grads: dict[str, list[list[torch.Tensor]]] = {name: [] for name in arms}
     for name, (_, opt) in arms.items():
@@ -318,7 +340,12 @@ def main() -> None:
             f"{statistics.median(row['mb']):14.1f} {statistics.median(row['mem']):15.1f} "
             f"{statistics.median(row['err']):11.1e}"
         )
-    print(auto_row())
+    print(
+        f"(f) 'auto' found a budget of {first['budget']:.0f} tokens on its first window "
+        f"(warm-up included) in {first['retries']:.0f} retries, {first['seconds']:.2f} s; "
+        "the row above is the later windows, which reuse it. The memory limit is simulated "
+        "(OOM raised above 8*512 tokens per forward)."
+    )
     print(
         "s/window: wall clock; CPU s: this process's CPU time (less sensitive to other load "
         "on the machine). vs (b): how many times faster than the hand loop. grad error: "
