@@ -146,6 +146,34 @@ def test_micro_batches_from_the_loader() -> None:
     assert rel(grads[0], want) < 1e-10
 
 
+def test_grad_scaler_gives_the_same_gradient() -> None:
+    """A GradScaler's scale seeds pass 2's backward and is undone at the step, as everywhere."""
+    model, batch = make_model(), pairs(ROWS)
+    want = reference_grads(model, batch)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    got, stats = _coupled_grads(model, batch, 3, scaler=scaler)
+    assert rel(got, want) < 1e-10 and not stats.skipped
+
+
+@pytest.mark.filterwarnings("ignore:window 0 was skipped")
+def test_non_finite_loss_skips_the_step() -> None:
+    model, batch = make_model(), pairs(ROWS)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def broken(reps, rows):
+        loss_sum, n = info_nce(reps, rows)
+        return loss_sum * float("inf"), n
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.Accumulator(model, opt, micro_batch_size=4) as acc:
+        windows = acc.windows([batch, batch])
+        skipped = next(windows).run_coupled(encoder(model), broken)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        stepped = next(windows).run_coupled(encoder(model), info_nce)
+    assert skipped.skipped and skipped.steps == 0
+    assert not stepped.skipped and stepped.steps == 1
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
