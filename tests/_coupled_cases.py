@@ -124,3 +124,28 @@ def ddp_coupled(
         for window in acc.windows(loader):
             losses.append(window.run_coupled(encoder(model), info_nce).loss)
     return {"grads": grads, "losses": losses, "syncs": calls["grad"], "buckets": buckets}
+
+
+def fsdp_coupled(
+    rank: int, world: int, layout: list[int], micro_batch_size: int, windows: int
+) -> dict[str, Any]:
+    """The same under FSDP2 (padding micro-batches where ranks hold fewer micro-batches)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model.q)
+    fully_shard(model.d)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[list[torch.Tensor]] = []
+    losses: list[float] = []
+
+    def full(g: Any) -> torch.Tensor:
+        return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+
+    with fb.Accumulator(model, opt, micro_batch_size=micro_batch_size) as acc:
+        acc.register_window_hook(lambda: grads.append([full(p.grad) for p in model.parameters()]))
+        loader = [rank_rows(rank, layout, seed) for seed in range(windows)]
+        for window in acc.windows(loader):
+            losses.append(window.run_coupled(encoder(model), info_nce).loss)
+    return {"grads": grads, "losses": losses}

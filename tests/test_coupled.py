@@ -261,3 +261,19 @@ def test_ddp_equals_the_full_batch_with_one_sync_per_window(layout: list[int], s
     for r in ranks:
         assert r["buckets"] > 1  # several buckets: the count below is per window, not per call
         assert r["syncs"] == windows * r["buckets"]
+
+
+@pytest.mark.parametrize(("layout", "size"), [([7, 5], 3), ([4, 9], 2)])
+def test_fsdp2_equals_the_full_batch(layout: list[int], size: int) -> None:
+    windows = 2
+    ranks = values(run_ranks(cases.fsdp_coupled, 2, layout, size, windows))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for w in range(windows):
+        want = reference_grads(model, pairs(sum(layout), w))
+        for r in ranks:
+            assert rel(r["grads"][w], want) < 1e-10, (w, rel(r["grads"][w], want))
+        for p, g in zip(model.parameters(), want, strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
