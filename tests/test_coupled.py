@@ -174,6 +174,25 @@ def test_non_finite_loss_skips_the_step() -> None:
     assert not stepped.skipped and stepped.steps == 1
 
 
+@pytest.mark.parametrize("options", [{"micro_batch_size": 4}, {"micro_batch_tokens": 12}])
+def test_rows_sorted_by_length_stay_exact(options: dict) -> None:
+    """Sorting rows (sort_rows, token budgets) reorders the window: InfoNCE does not care."""
+    model, batch = make_model(), pairs(ROWS)
+    want = reference_grads(model, batch)
+    g = torch.Generator().manual_seed(5)
+    batch["mask"] = (torch.arange(6) < torch.randint(1, 7, (ROWS, 1), generator=g)).long()
+    if "micro_batch_size" in options:
+        options = {**options, "sort_rows": True}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[list[torch.Tensor]] = []
+    with fb.Accumulator(model, opt, lengths="mask", **options) as acc:
+        acc.register_window_hook(lambda: grads.append([p.grad.clone() for p in model.parameters()]))
+        window = next(iter(acc.windows([batch])))
+        stats = window.run_coupled(encoder(model), info_nce)
+    assert stats.micro_batches > 1
+    assert rel(grads[0], want) < 1e-10
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
