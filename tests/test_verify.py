@@ -123,6 +123,8 @@ def test_non_additive_losses_fail_with_their_cause(loss_fn, cause: str) -> None:
     assert report.diagnosis[1].startswith(cause), report.diagnosis
     assert len(report.diagnosis) == 2
     assert cause in str(report)
+    if cause == "coupled loss":  # the diagnosis names the mode that makes it exact
+        assert "window.run_coupled(encode, loss)" in report.diagnosis[1]
 
 
 def test_mean_with_row_count_is_diagnosed_as_mean() -> None:

@@ -293,6 +293,54 @@ class Window:
         self._by_run = True
         return run_window(self, fn)
 
+    def run_coupled(
+        self, encode: Callable[[Any], Any], loss: Callable[[Any, slice], Any]
+    ) -> StepStats:
+        """Exact accumulation for a loss that couples rows (contrastive, in-batch negatives).
+
+        Pass 1 runs ``encode`` on every micro-batch without graphs; ``loss`` runs once on the
+        representations of the whole window (under DDP/FSDP2: every rank's, in rank order,
+        so negatives span the global batch) and its gradient with respect to them is kept;
+        pass 2 re-runs each micro-batch with graphs, the RNG state replayed (dropout masks
+        equal pass 1's), and backpropagates that gradient. The step equals one full-batch
+        step of ``loss`` on the whole window. Cost: one extra forward per micro-batch;
+        memory: one micro-batch's graph plus the window's representations.
+
+        Args:
+            encode: ``encode(micro)`` -> a tensor or a tuple of tensors (e.g. query and
+                document embeddings), rows first.
+            loss: ``loss(reps, rows)`` -> ``(loss_sum, count)``: ``reps`` is like
+                ``encode``'s output for the whole window (requires grad), ``rows`` the slice
+                of this rank's rows in it; the loss is summed over those rows and ``count``
+                counts them. Normalization by the global count happens at the step.
+
+        Returns:
+            The window's :class:`StepStats` (``loss``: the global loss sum over the count).
+
+        Raises:
+            ValueError: ``encode`` or ``loss`` returned something else.
+            RuntimeError: the window was already iterated, or ``encode`` gave different
+                shapes in pass 2.
+            NotImplementedError: with ``micro_batch_size="auto"``.
+
+        Example::
+
+            def encode(micro):
+                return q_tower(micro["q"]), d_tower(micro["d"])
+
+            def info_nce(reps, rows):
+                q, d = reps
+                logits = q[rows] @ d.T / 0.05
+                return fb.cross_entropy_sum(logits, torch.arange(len(d))[rows])
+
+            for window in acc.windows(loader):
+                stats = window.run_coupled(encode, info_nce)
+        """
+        from fullbatch._coupled import run_coupled
+
+        self._check_open("run_coupled()")
+        return run_coupled(self, encode, loss)
+
     # -- the end of the window -------------------------------------------------------------
 
     def step(self) -> StepStats:

@@ -98,8 +98,10 @@ def _loss_causes(check: AdditivityCheck, tol: float) -> list[str]:
                 f"({s1:.6g} + {s2:.6g}) and it is neither a mean nor train-mode BatchNorm, so a "
                 "row's loss depends on the other rows in its batch (in-batch negatives, batch "
                 "statistics in the loss or the model); accumulating micro-batches cannot "
-                "reproduce it: compute the coupled part on the whole batch, or use a loss that "
-                "is a sum of per-item terms"
+                "reproduce it. If rows meet only in the loss (contrastive, in-batch "
+                "negatives), use `stats = window.run_coupled(encode, loss)`: encode(micro) "
+                "returns the representations, loss(reps, rows) scores the whole window's; "
+                "otherwise use a loss that is a sum of per-item terms"
             )
     if not check.counts_add:
         causes.append(
