@@ -149,3 +149,47 @@ def fsdp_coupled(
         for window in acc.windows(loader):
             losses.append(window.run_coupled(encoder(model), info_nce).loss)
     return {"grads": grads, "losses": losses}
+
+
+def auto_coupled(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """``micro_batch_size="auto"`` under DDP or FSDP2: rank 1's encode runs out of memory
+    above ``spec["fits"]`` rows in ``spec["when"]`` ("pass 1" or "pass 2")."""
+    model: nn.Module = make_model()
+    if spec["wrapper"] == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.q)
+        fully_shard(model.d)
+        fully_shard(model)
+    fits = spec["fits"] if rank == 1 else 10**9
+    calls: list[int] = []
+
+    def encode(micro: dict[str, torch.Tensor]) -> Any:
+        n = micro["q"].shape[0]
+        calls.append(n)
+        pass_two = torch.is_grad_enabled()
+        if n > fits and spec["when"] == ("pass 2" if pass_two else "pass 1"):
+            raise torch.OutOfMemoryError(f"{n} rows do not fit (threshold {fits})")
+        return model(micro["q"], micro["d"])
+
+    def loss(reps: Any, rows: slice) -> tuple[torch.Tensor, int]:
+        calls.append(-1)
+        if spec["when"] == "loss" and rank == 1 and calls.count(-1) == 1:
+            raise torch.OutOfMemoryError("the loss does not fit (first call)")
+        return info_nce(reps, rows)
+
+    def full(g: Any) -> torch.Tensor:
+        return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[list[torch.Tensor]] = []
+    retries, sizes = [], []
+    with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
+        acc.register_window_hook(lambda: grads.append([full(p.grad) for p in model.parameters()]))
+        loader = [rank_rows(rank, spec["layout"], seed) for seed in range(spec["windows"])]
+        for window in acc.windows(loader):
+            retries.append(window.run_coupled(encode, loss).retries)
+            sizes.append(acc.micro_batch_size)
+    return {"grads": grads, "retries": retries, "sizes": sizes, "calls": calls}

@@ -8,7 +8,9 @@ fewer negatives) is shown to differ.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -193,6 +195,111 @@ def test_rows_sorted_by_length_stay_exact(options: dict) -> None:
     assert rel(grads[0], want) < 1e-10
 
 
+# -- "auto": an out-of-memory error in either pass re-runs the whole window at half the size --
+
+
+def _size(micro: dict) -> tuple[int, str]:
+    """Rows, or padded tokens when the micro-batch has a mask."""
+    if "mask" in micro:
+        lengths = micro["mask"].sum(1)
+        return len(lengths) * int(lengths.max()), "tokens"
+    return micro["q"].shape[0], "rows"
+
+
+def _fitting(model: nn.Module, fits: int, when: str = "always") -> tuple[Any, list[int]]:
+    """``encode`` raising ``torch.OutOfMemoryError`` above ``fits`` rows or padded tokens, in
+    pass 1, pass 2 or both."""
+    calls: list[int] = []
+
+    def encode(micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        n, unit = _size(micro)
+        calls.append(n)
+        pass_two = torch.is_grad_enabled()
+        if n > fits and when in ("always", "pass 2" if pass_two else "pass 1"):
+            raise torch.OutOfMemoryError(f"{n} {unit} do not fit (threshold {fits})")
+        return model(micro["q"], micro["d"])
+
+    return encode, calls
+
+
+def _train_coupled(model: nn.Module, data: list[dict], fits: int, when: str, **options):
+    """AdamW on run_coupled: per window (stats, parameters, the size it ran with)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    encode, _ = _fitting(model, fits, when)
+    kind = "micro_batch_tokens" if "micro_batch_tokens" in options else "micro_batch_size"
+    out = []
+    torch.manual_seed(123)
+    with fb.Accumulator(model, opt, **options) as acc:
+        for window in acc.windows(data):
+            stats = window.run_coupled(encode, info_nce)
+            out.append((stats, [p.detach().clone() for p in model.parameters()]))
+            out[-1] += (getattr(acc, kind),)
+            assert all(p.grad is None for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize("when", ["always", "pass 1", "pass 2"])
+@pytest.mark.parametrize(("fits", "found", "retries"), [(3, 2, 3), (5, 5, 2), (20, 20, 0)])
+def test_auto_equals_the_found_size_from_the_start(when, fits, found, retries) -> None:
+    """Bitwise (CPU, float64, dropout): RNG restored, both passes re-run from the start."""
+    model = make_model(dropout=0.3)
+    ref = copy.deepcopy(model)
+    data = [pairs(n, seed) for seed, n in enumerate((ROWS, ROWS, 13))]
+    got = _train_coupled(model, data, fits, when, micro_batch_size="auto")
+    rng_got = torch.get_rng_state()
+    want = _train_coupled(ref, data, 10**9, when, micro_batch_size=found)
+    assert torch.equal(rng_got, torch.get_rng_state())  # the RNG stream continues alike
+    assert [s.retries for s, *_ in got] == [retries, 0, 0]
+    assert [size for *_, size in got] == [found, found, min(found, 13)]
+    for (gs, gp, _), (ws, wp, _) in zip(got, want, strict=True):
+        assert gs == dataclasses.replace(ws, retries=gs.retries)
+        assert all(torch.equal(a, b) for a, b in zip(gp, wp, strict=True))
+
+
+def test_auto_reruns_both_passes_from_the_window_start() -> None:
+    """An OOM in pass 2 abandons the attempt: the re-run starts again with pass 1."""
+    model = make_model()
+    encode, calls = _fitting(model, 5, "pass 2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
+        stats = next(iter(acc.windows([pairs(ROWS)]))).run_coupled(encode, info_nce)
+    # 20 rows: pass 1 whole, pass 2 fails; 10: pass 1 (2), pass 2 fails; 5: both passes (4 + 4)
+    assert calls == [20, 20, 10, 10, 10] + [5] * 8
+    assert stats.retries == 2 and stats.micro_batches == 4 and acc.micro_batch_size == 5
+
+
+def test_auto_token_budget_equals_the_found_budget() -> None:
+    model = make_model(dropout=0.3)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    data = [pairs(ROWS, seed) for seed in range(2)]
+    for batch in data:
+        batch["mask"] = (torch.arange(6) < torch.randint(1, 7, (ROWS, 1), generator=g)).long()
+    got = _train_coupled(model, data, 24, "always", micro_batch_tokens="auto", lengths="mask")
+    budget = got[0][2]
+    assert got[0][0].retries > 0 and budget is not None and budget <= 24 < 2 * budget
+    want = _train_coupled(ref, data, 10**9, "always", micro_batch_tokens=budget, lengths="mask")
+    for (gs, gp, _), (ws, wp, _) in zip(got, want, strict=True):
+        # c (a power of two, so exact either way) is estimated from the first attempt's
+        # micro-batches, whose padding differs from the found budget's.
+        assert gs == dataclasses.replace(ws, retries=gs.retries, loss_scale=gs.loss_scale)
+        assert all(torch.equal(a, b) for a, b in zip(gp, wp, strict=True))
+
+
+@pytest.mark.parametrize("when", ["pass 1", "pass 2"])
+def test_auto_oom_at_one_row_reraises(when: str) -> None:
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    encode, _ = _fitting(model, 0, when)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
+        window = next(iter(acc.windows([pairs(4)])))
+        with pytest.raises(torch.OutOfMemoryError, match="1 rows do not fit"):
+            window.run_coupled(encode, info_nce)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
@@ -296,3 +403,34 @@ def test_fsdp2_equals_the_full_batch(layout: list[int], size: int) -> None:
             p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("when", ["pass 1", "pass 2", "loss"])
+def test_auto_when_one_rank_runs_out_of_memory(wrapper: str, when: str) -> None:
+    """Rank 1 (5 rows) fails above 3 rows: 5 -> 2 on both ranks (7 rows -> 2 as well).
+
+    "loss": rank 1's first loss call fails (between the gathers and the all-reduce): 5 -> 2.
+    """
+    spec = {"wrapper": wrapper, "when": when, "fits": 3, "layout": [7, 5], "windows": 2}
+    ranks = values(run_ranks(cases.auto_coupled, 2, spec, pg_timeout=20))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for w in range(2):
+        want = reference_grads(model, pairs(12, w))
+        for r in ranks:
+            assert rel(r["grads"][w], want) < 1e-10, (w, rel(r["grads"][w], want))
+        for p, g in zip(model.parameters(), want, strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for r in ranks:
+        assert r["retries"] == [1, 0] and r["sizes"] == [2, 2]
+
+
+@pytest.mark.timeout(180)
+def test_auto_ddp_oom_at_one_row_reraises_on_that_rank() -> None:
+    spec = {"wrapper": "ddp", "when": "pass 1", "fits": 0, "layout": [7, 5], "windows": 1}
+    ranks = run_ranks(cases.auto_coupled, 2, spec, pg_timeout=20)
+    assert [r.error_type for r in ranks] == ["RuntimeError", "OutOfMemoryError"]

@@ -38,7 +38,8 @@ class Accumulator:
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
             Exactly one of ``micro_batches``, ``micro_batch_size`` and ``micro_batch_tokens``
-            is given. ``"auto"`` (for either size, only with :meth:`Window.run`): start from
+            is given. ``"auto"`` (for either size, only with :meth:`Window.run` or
+            :meth:`Window.run_coupled`): start from
             the whole window, halve on ``torch.OutOfMemoryError`` and re-run the window from
             its start; the size that worked is kept (``acc.micro_batch_size`` /
             ``acc.micro_batch_tokens``). Under DDP it implies ``ddp_sync="step"``.
@@ -125,7 +126,7 @@ class Accumulator:
         tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
         self._micro_batch_size = size if isinstance(size, int) else None
         self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
-        # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run only).
+        # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
         self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
         if self._auto is not None:
             ddp_sync = self._auto.ddp_sync(model, ddp_sync)

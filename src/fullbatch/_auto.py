@@ -47,7 +47,11 @@ if TYPE_CHECKING:
     from fullbatch._window import Window
     from fullbatch._windows import Stream
 
-__all__ = ["AutoSize", "run_auto"]
+__all__ = ["AutoSize", "Runner", "run_auto"]
+
+# One attempt at a window: ``runner(window, fn, before_backward)`` runs its micro-batches and
+# backward calls, no step (``run_micro_batches``; ``window.run_coupled`` runs both passes).
+Runner = Callable[["Window", MicroBatchFn, Callable[[], None]], None]
 
 _OOM, _FATAL, _USED = range(3)
 
@@ -165,7 +169,7 @@ class _Snapshot:
 
 
 def _attempt(
-    window: Window, fn: MicroBatchFn, auto: AutoSize, sync: Sync
+    window: Window, fn: MicroBatchFn, auto: AutoSize, sync: Sync, runner: Runner
 ) -> list[list[float]] | None:
     """Run the window's micro-batches; None when no rank ran out of memory, else the table."""
     fsdp = sync.kind == "fsdp2"
@@ -181,7 +185,7 @@ def _attempt(
         phase[0] = "backward"
 
     try:
-        run_micro_batches(window, forward, before_backward)
+        runner(window, forward, before_backward)
     except _PeerOutOfMemory as peer:
         return peer.table
     except torch.OutOfMemoryError:
@@ -227,7 +231,7 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def run_auto(window: Window, fn: MicroBatchFn) -> StepStats:
+def run_auto(window: Window, fn: MicroBatchFn, runner: Runner = run_micro_batches) -> StepStats:
     acc = window._acc
     auto = acc._auto
     assert auto is not None and auto.stream is not None
@@ -246,7 +250,7 @@ def run_auto(window: Window, fn: MicroBatchFn) -> StepStats:
     attempt = window
     try:
         while True:
-            table = _attempt(attempt, fn, auto, sync)
+            table = _attempt(attempt, fn, auto, sync, runner)
             if table is None:
                 break
             abandon_locally(attempt)

@@ -20,6 +20,11 @@ Pass 2 hands ``window.backward`` the 0-dim surrogate ``d - d.detach() + share`` 
 ``d = Σ reps·G``: its gradient is ``G`` backpropagated, its value is ``share`` (this rank's
 loss sum on its first real micro-batch, 0 elsewhere), so the reported loss, counts, seeding
 by ``c``, GradScaler, skips and DDP's one sync per window are the plain loop's.
+
+"auto" sizes go through :func:`fullbatch._auto.run_auto` with both passes as one attempt: an
+OOM in either pass re-runs the whole window from its start at half the size. Across ranks,
+every rank agrees before each collective of the loss step (the gathers after pass 1, the
+all-reduce of ``G``), so a rank out of memory in pass 1 or in ``loss`` stops the others there.
 """
 
 from __future__ import annotations
@@ -110,9 +115,17 @@ def _unpack_loss(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _reps_gradient(
-    loss: LossFn, local: list[tuple[torch.Tensor, ...]], sync: Sync
+    loss: LossFn,
+    local: list[tuple[torch.Tensor, ...]],
+    sync: Sync,
+    agree: Callable[[], None] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Any]:
-    """``(G for this rank's rows, per tower; loss_sum; count)``: one loss call per window."""
+    """``(G for this rank's rows, per tower; loss_sum; count)``: one loss call per window.
+
+    ``agree`` runs before each collective ("auto": a rank out of memory stops the others there).
+    """
+    if agree is not None and sync.group is not None:
+        agree()
     towers = len(local[0])
     mine = [torch.cat([reps[t] for reps in local]) for t in range(towers)]
     rows_here = mine[0].shape[0]
@@ -136,6 +149,8 @@ def _reps_gradient(
         torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads, strict=True)
     ]
     if sync.group is not None:
+        if agree is not None:
+            agree()  # the loss and its gradient may have run out of memory on some rank
         # Every rank's loss touches every rank's rows: sum the gradients over ranks (one
         # all-reduce for all towers), then each rank keeps its own rows.
         dtype = full[0].dtype
@@ -166,67 +181,82 @@ def _micro_batches(window: Window) -> list[tuple[Any, bool]]:
 def run_coupled(window: Window, encode: EncodeFn, loss: LossFn) -> StepStats:
     """The body of :meth:`Window.run_coupled`."""
     acc = window._acc
-    if acc._auto is not None:
-        raise NotImplementedError(
-            "window.run_coupled does not support micro_batch_size='auto' or "
-            "micro_batch_tokens='auto' yet; give an integer size."
-        )
     if window._iterated:
         raise RuntimeError(
             f"window.run_coupled on window {window.index}, which was already iterated; call "
             "it instead of `for micro in window:`, not after."
         )
-    sync = acc._sync
+    if acc._auto is not None:
+        from fullbatch._auto import _check_peers, run_auto
+
+        # An OOM in either pass re-runs the whole window (both passes) with half the size.
+        # Under DDP/FSDP2 the ranks agree before each collective of the loss step.
+        def runner(attempt: Window, enc: EncodeFn, before_backward: Callable[[], None]) -> None:
+            _passes(attempt, enc, loss, before_backward, lambda: _check_peers(acc._sync))
+
+        return run_auto(window, encode, runner)
     try:
-        # Pass 1: representations without graphs, and the RNG state before each micro-batch.
-        micros = _micro_batches(window)
-        states: list[_Rng] = []
-        local: list[tuple[torch.Tensor, ...]] = []
-        for i, (micro, padding) in enumerate(micros):
-            states.append(_Rng())
-            with torch.no_grad():
-                reps = _towers(encode(micro), f"for micro-batch {i} (pass 1)")
-            if not padding:
-                local.append(reps)
-            del reps
-        if not local:
-            raise RuntimeError(
-                f"window {window.index} has no real micro-batch on this rank; "
-                "window.run_coupled needs at least one row per rank."
-            )
-        sizes = [r[0].shape[0] for r in local]
-        shapes = [tuple(t.shape[1:]) for t in local[0]]
-        grads, loss_sum, count = _reps_gradient(loss, local, sync)
-        del local
-        after_loss = _Rng()
-        # Pass 2: graphs, the same RNG, and each micro-batch's slice of the cached gradient.
-        window._by_run = True
-        offset, real = 0, 0
-        for i, micro in enumerate(window):
-            states[i].restore()
-            reps = _towers(encode(micro), f"for micro-batch {i} (pass 2)")
-            if window.is_padding:
-                window.backward(_surrogate(reps, tuple(torch.zeros_like(r) for r in reps), None), 0)
-                continue
-            got = [tuple(t.shape[1:]) for t in reps]
-            if reps[0].shape[0] != sizes[real] or got != shapes:
-                raise RuntimeError(
-                    f"encode returned different shapes for micro-batch {i} in pass 2 "
-                    f"({[tuple(t.shape) for t in reps]}) than in pass 1; encode must be "
-                    "deterministic given the RNG state (no data-dependent randomness "
-                    "outside torch's generators)."
-                )
-            n = sizes[real]
-            piece = tuple(g[offset : offset + n] for g in grads)
-            first = real == 0
-            window.backward(
-                _surrogate(reps, piece, loss_sum if first else None), count if first else 0
-            )
-            del reps, piece
-            offset += n
-            real += 1
-        after_loss.restore()
+        _passes(window, encode, loss)
     except BaseException:
         abandon_locally(window)
         raise
     return window.step()
+
+
+def _passes(
+    window: Window,
+    encode: EncodeFn,
+    loss: LossFn,
+    before_backward: Callable[[], None] | None = None,
+    agree: Callable[[], None] | None = None,
+) -> None:
+    """Both passes and every backward of the window, no step (the caller abandons on error)."""
+    sync = window._acc._sync
+    # Pass 1: representations without graphs, and the RNG state before each micro-batch.
+    micros = _micro_batches(window)
+    states: list[_Rng] = []
+    local: list[tuple[torch.Tensor, ...]] = []
+    for i, (micro, padding) in enumerate(micros):
+        states.append(_Rng())
+        with torch.no_grad():
+            reps = _towers(encode(micro), f"for micro-batch {i} (pass 1)")
+        if not padding:
+            local.append(reps)
+        del reps
+    if not local:
+        raise RuntimeError(
+            f"window {window.index} has no real micro-batch on this rank; "
+            "window.run_coupled needs at least one row per rank."
+        )
+    sizes = [r[0].shape[0] for r in local]
+    shapes = [tuple(t.shape[1:]) for t in local[0]]
+    grads, loss_sum, count = _reps_gradient(loss, local, sync, agree)
+    del local
+    after_loss = _Rng()
+    # Pass 2: graphs, the same RNG, and each micro-batch's slice of the cached gradient.
+    window._by_run = True
+    offset, real = 0, 0
+    for i, micro in enumerate(window):
+        states[i].restore()
+        reps = _towers(encode(micro), f"for micro-batch {i} (pass 2)")
+        if before_backward is not None:
+            before_backward()
+        if window.is_padding:
+            window.backward(_surrogate(reps, tuple(torch.zeros_like(r) for r in reps), None), 0)
+            continue
+        got = [tuple(t.shape[1:]) for t in reps]
+        if reps[0].shape[0] != sizes[real] or got != shapes:
+            raise RuntimeError(
+                f"encode returned different shapes for micro-batch {i} in pass 2 "
+                f"({[tuple(t.shape) for t in reps]}) than in pass 1; encode must be "
+                "deterministic given the RNG state (no data-dependent randomness "
+                "outside torch's generators)."
+            )
+        n = sizes[real]
+        piece = tuple(g[offset : offset + n] for g in grads)
+        first = real == 0
+        window.backward(_surrogate(reps, piece, loss_sum if first else None), count if first else 0)
+        del reps, piece
+        offset += n
+        real += 1
+    after_loss.restore()

@@ -315,13 +315,15 @@ class Window:
                 counts them. Normalization by the global count happens at the step.
 
         Returns:
-            The window's :class:`StepStats` (``loss``: the global loss sum over the count).
+            The window's :class:`StepStats` (``loss``: the global loss sum over the count;
+            ``retries``: re-runs of the window under "auto").
 
         Raises:
             ValueError: ``encode`` or ``loss`` returned something else.
             RuntimeError: the window was already iterated, or ``encode`` gave different
                 shapes in pass 2.
-            NotImplementedError: with ``micro_batch_size="auto"``.
+            torch.OutOfMemoryError: under ``"auto"``, at one row per micro-batch (earlier
+                ones halve the size and re-run both passes of the window from its start).
 
         Example::
 
