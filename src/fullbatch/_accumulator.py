@@ -128,6 +128,7 @@ class Accumulator:
         self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
         self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
+        self._sort_rows = sort_rows
         if self._auto is not None:
             ddp_sync = self._auto.ddp_sync(model, ddp_sync)
         check_options(

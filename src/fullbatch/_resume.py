@@ -358,4 +358,4 @@ def _mode(acc: Accumulator) -> str:
     kind = acc._auto.kind if acc._auto is not None else None
     if acc._micro_batch_tokens is not None or kind == "tokens":
         return "micro_batch_tokens"
-    return "micro_batch_size" + (", sort_rows" if getattr(acc._split, "lengths", None) else "")
+    return "micro_batch_size" + (", sort_rows" if acc._sort_rows else "")

@@ -214,8 +214,9 @@ class Window:
 
     def _abandon_cleared(self, where: str) -> None:
         """Gradients were cleared behind fullbatch's back: end the window, raise with the fix."""
-        self._closed = True
-        self._acc._abandon()
+        from fullbatch._run import abandon_locally
+
+        abandon_locally(self)
         raise RuntimeError(self._acc._guard.cleared_message(self.index, where))
 
     def _seed(self, loss: torch.Tensor, form: str) -> torch.Tensor:
