@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import ctypes
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from split import Memory  # the same peak-memory measurement as benchmarks/split.py
 from torch import nn
 
 import fullbatch as fb
@@ -145,39 +145,6 @@ def ranking_loss(reps: Any, rows: slice) -> tuple[torch.Tensor, int]:
 
 
 # -- measuring -------------------------------------------------------------------------------
-
-
-class Memory:
-    """Peak memory of one window over its start, in MiB (as in benchmarks/split.py)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._libc = None if self.cuda else ctypes.CDLL("libc.so.6")
-
-    def _rss(self, field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no {field} in /proc/self/status")
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-            return
-        assert self._libc is not None
-        self._libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM, the peak resident set size
-        self._base = self._rss("VmRSS:")
-
-    def peak(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - self._base) / 2**20
-        return (self._rss("VmHWM:") - self._base) / 2**20
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor]:
