@@ -18,9 +18,11 @@ parameters (SGD with lr=0):
   (c) the naive loop: the same loss inside each 32-row micro-batch (31 negatives, not 255)
   (d) sentence-transformers' CachedMultipleNegativesRankingLoss, mini_batch_size=32
 
-Arms alternate window by window in one process; the table shows medians over windows. Peak
-memory: over the window's start (Linux VmHWM, reset per window) on CPU,
-``torch.cuda.max_memory_allocated`` on CUDA. Gradient error: ||g - g_a|| / ||g_a||.
+Arms alternate window by window in one process ((a) first, the others in an order rotated
+per window); the table shows medians over windows, of wall time and of this process's CPU time
+(the steadier of the two on a shared machine). Peak memory: over the window's start (Linux
+VmHWM, reset per window) on CPU, ``torch.cuda.max_memory_allocated`` on CUDA. Gradient
+error: ||g - g_a|| / ||g_a||.
 """
 
 from __future__ import annotations
@@ -228,35 +230,49 @@ def main() -> None:
     runs = arms(model)
     memory = Memory(device)
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
     peaks: dict[str, list[float]] = {k: [] for k in runs}
     errors: dict[str, list[float]] = {k: [] for k in runs}
     for i, window in enumerate(data):
+        # The reference first, then the other arms in an order rotated window by window, so
+        # that no arm always runs after the full batch's large frees.
+        names = list(runs)
+        rest = names[1:]
+        shift = i % len(rest)
+        order = [names[0], *rest[shift:], *rest[:shift]]
         reference: list[torch.Tensor] | None = None
-        for name, run in runs.items():
+        for name in order:
+            run = runs[name]
             memory.start()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             grads = run(window)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
+            elapsed_cpu = time.process_time() - start_cpu
             if reference is None:
                 reference = grads
             if i == 0:
                 continue  # warm-up window
             times[name].append(elapsed)
+            cpu[name].append(elapsed_cpu)
             peaks[name].append(memory.peak())
             errors[name].append(rel_norm(grads, reference))
     base = statistics.median(times["(a) full batch, one pass"])
+    base_cpu = statistics.median(cpu["(a) full batch, one pass"])
     print(
         f"global batch {ROWS} pairs, micro-batches of {MICRO}, {args.windows} windows, "
         f"{device.type}, {torch.get_num_threads()} threads"
     )
-    print(f"{'arm':40s} {'s/window':>9s} {'vs (a)':>7s} {'peak MiB':>9s} {'grad error':>11s}")
+    print(
+        f"{'arm':40s} {'s/window':>9s} {'vs (a)':>7s} {'CPU s':>7s} {'vs (a)':>7s} "
+        f"{'peak MiB':>9s} {'grad error':>11s}"
+    )
     for name in runs:
-        t = statistics.median(times[name])
+        t, c = statistics.median(times[name]), statistics.median(cpu[name])
         print(
-            f"{name:40s} {t:9.3f} {t / base:6.2f}x {statistics.median(peaks[name]):9.1f} "
-            f"{max(errors[name]):11.2e}"
+            f"{name:40s} {t:9.3f} {t / base:6.2f}x {c:7.3f} {c / base_cpu:6.2f}x "
+            f"{statistics.median(peaks[name]):9.1f} {max(errors[name]):11.2e}"
         )
 
 

@@ -153,7 +153,8 @@ def fsdp_coupled(
 
 def auto_coupled(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """``micro_batch_size="auto"`` under DDP or FSDP2: rank 1's encode runs out of memory
-    above ``spec["fits"]`` rows in ``spec["when"]`` ("pass 1" or "pass 2")."""
+    above ``spec["fits"]`` rows in every forward (``spec["when"]`` "always") or in those that
+    build a graph ("graph"), or in its first loss call ("loss")."""
     model: nn.Module = make_model()
     if spec["wrapper"] == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
@@ -169,8 +170,8 @@ def auto_coupled(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     def encode(micro: dict[str, torch.Tensor]) -> Any:
         n = micro["q"].shape[0]
         calls.append(n)
-        pass_two = torch.is_grad_enabled()
-        if n > fits and spec["when"] == ("pass 2" if pass_two else "pass 1"):
+        graph = torch.is_grad_enabled()
+        if n > fits and (spec["when"] == "always" or (spec["when"] == "graph" and graph)):
             raise torch.OutOfMemoryError(f"{n} rows do not fit (threshold {fits})")
         return model(micro["q"], micro["d"])
 

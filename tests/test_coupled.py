@@ -115,6 +115,19 @@ def test_dropout_masks_are_replayed() -> None:
     assert not torch.equal(first, second)
 
 
+def test_first_micro_batch_is_encoded_once() -> None:
+    """Pass 1 keeps micro-batch 0's graph: K micro-batches cost 2K - 1 encodes, not 2K."""
+    model, calls = make_model(dropout=0.3), []
+
+    def encode(micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((micro["q"][0, 0].item(), torch.is_grad_enabled()))
+        return model(micro["q"], micro["d"])
+
+    _one_window(model).run_coupled(encode, info_nce)
+    first, second = pairs(8)["q"][0, 0].item(), pairs(8)["q"][4, 0].item()
+    assert calls == [(first, True), (second, False), (second, True)]
+
+
 def test_single_tensor_representations() -> None:
     """``encode`` may return one tensor; ``loss`` then gets one tensor."""
     model, batch = make_model(), pairs(ROWS)
@@ -206,39 +219,53 @@ def _size(micro: dict) -> tuple[int, str]:
     return micro["q"].shape[0], "rows"
 
 
-def _fitting(model: nn.Module, fits: int, when: str = "always") -> tuple[Any, list[int]]:
-    """``encode`` raising ``torch.OutOfMemoryError`` above ``fits`` rows or padded tokens, in
-    pass 1, pass 2 or both."""
+def _fitting(
+    model: nn.Module, fits: int, when: str = "always", once_after_loss: bool = False
+) -> tuple[Any, list[int], Any]:
+    """``encode`` raising ``torch.OutOfMemoryError`` above ``fits`` rows or padded tokens:
+    in every forward ("always") or in forwards that build a graph ("graph": pass 2, and
+    micro-batch 0 in pass 1, whose graph pass 2 reuses); with ``once_after_loss``, also in the
+    first pass-2 forward of the run. Returns ``(encode, calls, loss)``: use that loss."""
     calls: list[int] = []
+    phase = {"after_loss": False, "failed_after_loss": False}
 
     def encode(micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
         n, unit = _size(micro)
         calls.append(n)
-        pass_two = torch.is_grad_enabled()
-        if n > fits and when in ("always", "pass 2" if pass_two else "pass 1"):
+        graph = torch.is_grad_enabled()
+        if once_after_loss and phase["after_loss"] and not phase["failed_after_loss"]:
+            phase["failed_after_loss"], phase["after_loss"] = True, False
+            raise torch.OutOfMemoryError(f"{n} {unit} do not fit (once, in pass 2)")
+        if n > fits and (when == "always" or (when == "graph" and graph)):
+            phase["after_loss"] = False
             raise torch.OutOfMemoryError(f"{n} {unit} do not fit (threshold {fits})")
         return model(micro["q"], micro["d"])
 
-    return encode, calls
+    def loss(reps: Any, rows: slice) -> tuple[torch.Tensor, int]:
+        out = info_nce(reps, rows)
+        phase["after_loss"] = True
+        return out
+
+    return encode, calls, loss
 
 
 def _train_coupled(model: nn.Module, data: list[dict], fits: int, when: str, **options):
     """AdamW on run_coupled: per window (stats, parameters, the size it ran with)."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    encode, _ = _fitting(model, fits, when)
+    encode, _, loss = _fitting(model, fits, when)
     kind = "micro_batch_tokens" if "micro_batch_tokens" in options else "micro_batch_size"
     out = []
     torch.manual_seed(123)
     with fb.Accumulator(model, opt, **options) as acc:
         for window in acc.windows(data):
-            stats = window.run_coupled(encode, info_nce)
+            stats = window.run_coupled(encode, loss)
             out.append((stats, [p.detach().clone() for p in model.parameters()]))
             out[-1] += (getattr(acc, kind),)
             assert all(p.grad is None for p in model.parameters())
     return out
 
 
-@pytest.mark.parametrize("when", ["always", "pass 1", "pass 2"])
+@pytest.mark.parametrize("when", ["always", "graph"])
 @pytest.mark.parametrize(("fits", "found", "retries"), [(3, 2, 3), (5, 5, 2), (20, 20, 0)])
 def test_auto_equals_the_found_size_from_the_start(when, fits, found, retries) -> None:
     """Bitwise (CPU, float64, dropout): RNG restored, both passes re-run from the start."""
@@ -259,12 +286,13 @@ def test_auto_equals_the_found_size_from_the_start(when, fits, found, retries) -
 def test_auto_reruns_both_passes_from_the_window_start() -> None:
     """An OOM in pass 2 abandons the attempt: the re-run starts again with pass 1."""
     model = make_model()
-    encode, calls = _fitting(model, 5, "pass 2")
+    encode, calls, loss = _fitting(model, 10, "always", once_after_loss=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
-        stats = next(iter(acc.windows([pairs(ROWS)]))).run_coupled(encode, info_nce)
-    # 20 rows: pass 1 whole, pass 2 fails; 10: pass 1 (2), pass 2 fails; 5: both passes (4 + 4)
-    assert calls == [20, 20, 10, 10, 10] + [5] * 8
+        stats = next(iter(acc.windows([pairs(ROWS)]))).run_coupled(encode, loss)
+    # 20 rows: pass 1 fails; 10: pass 1 (2 micro-batches), then pass 2 fails on micro-batch 1
+    # (micro-batch 0 keeps its pass-1 graph); 5: pass 1 (4) and pass 2 (micro-batches 1-3).
+    assert calls == [20, 10, 10, 10] + [5] * 7
     assert stats.retries == 2 and stats.micro_batches == 4 and acc.micro_batch_size == 5
 
 
@@ -286,11 +314,11 @@ def test_auto_token_budget_equals_the_found_budget() -> None:
         assert all(torch.equal(a, b) for a, b in zip(gp, wp, strict=True))
 
 
-@pytest.mark.parametrize("when", ["pass 1", "pass 2"])
+@pytest.mark.parametrize("when", ["always", "graph"])
 def test_auto_oom_at_one_row_reraises(when: str) -> None:
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    encode, _ = _fitting(model, 0, when)
+    encode, _, _ = _fitting(model, 0, when)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
         window = next(iter(acc.windows([pairs(4)])))
@@ -407,7 +435,7 @@ def test_fsdp2_equals_the_full_batch(layout: list[int], size: int) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
-@pytest.mark.parametrize("when", ["pass 1", "pass 2", "loss"])
+@pytest.mark.parametrize("when", ["always", "graph", "loss"])
 def test_auto_when_one_rank_runs_out_of_memory(wrapper: str, when: str) -> None:
     """Rank 1 (5 rows) fails above 3 rows: 5 -> 2 on both ranks (7 rows -> 2 as well).
 
@@ -431,6 +459,6 @@ def test_auto_when_one_rank_runs_out_of_memory(wrapper: str, when: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_auto_ddp_oom_at_one_row_reraises_on_that_rank() -> None:
-    spec = {"wrapper": "ddp", "when": "pass 1", "fits": 0, "layout": [7, 5], "windows": 1}
+    spec = {"wrapper": "ddp", "when": "always", "fits": 0, "layout": [7, 5], "windows": 1}
     ranks = run_ranks(cases.auto_coupled, 2, spec, pg_timeout=20)
     assert [r.error_type for r in ranks] == ["RuntimeError", "OutOfMemoryError"]

@@ -11,6 +11,14 @@ representations, though, and those are computed row by row (GradCache, Gao et al
 3. pass 2 re-runs each micro-batch with graphs, RNG replayed (same dropout masks), and
    backpropagates its slice of ``G`` through the ordinary ``window.backward``.
 
+The first micro-batch is not run twice: pass 1 encodes it with its graph and keeps the graph
+until pass 2 backpropagates into it first, so a window of K micro-batches costs K - 1 extra
+forwards, not K, and the memory peak stays one micro-batch's graph plus the representations
+(the graph is held while the other micro-batches run without one). Under FSDP2, and for DDP's
+first ``static_graph`` window (a synchronized backward per micro-batch), every micro-batch is
+run twice: a sharded model re-gathers its parameters at each forward and DDP's static graph
+records one forward per backward.
+
 Scaling. Rank r's loss ``L_r`` touches every rank's rows, so the gradient of the global sum
 ``Σ_r L_r`` with respect to rank s's rows is ``Σ_r dL_r/dR[rows_s]``: one all-reduce of ``G``
 gives it. Each rank backpropagates it for its own rows; the wrapper's divisor W and the
@@ -212,14 +220,28 @@ def _passes(
 ) -> None:
     """Both passes and every backward of the window, no step (the caller abandons on error)."""
     sync = window._acc._sync
-    # Pass 1: representations without graphs, and the RNG state before each micro-batch.
+    # Pass 1: representations, and the RNG state before each micro-batch; graphs only for
+    # the first micro-batch, whose graph pass 2 uses instead of running it again.
     micros = _micro_batches(window)
+    keep = not sync.sharded and not sync.equal_micro_batches and not micros[0][1]
     states: list[_Rng] = []
     local: list[tuple[torch.Tensor, ...]] = []
+    kept: tuple[torch.Tensor, ...] | None = None
     for i, (micro, padding) in enumerate(micros):
         states.append(_Rng())
-        with torch.no_grad():
-            reps = _towers(encode(micro), f"for micro-batch {i} (pass 1)")
+        if i == 0 and keep:
+            # DDP decides at forward time whether the backward synchronizes: the sync
+            # state is the one pass 2 would set for this micro-batch.
+            sync.begin(len(micros) == 1)
+            try:
+                with torch.enable_grad():
+                    kept = _towers(encode(micro), "for micro-batch 0 (pass 1)")
+            finally:
+                sync.end()
+            reps = tuple(t.detach() for t in kept)
+        else:
+            with torch.no_grad():
+                reps = _towers(encode(micro), f"for micro-batch {i} (pass 1)")
         if not padding:
             local.append(reps)
         del reps
@@ -237,8 +259,11 @@ def _passes(
     window._by_run = True
     offset, real = 0, 0
     for i, micro in enumerate(window):
-        states[i].restore()
-        reps = _towers(encode(micro), f"for micro-batch {i} (pass 2)")
+        if i == 0 and kept is not None:
+            reps, kept = kept, None
+        else:
+            states[i].restore()
+            reps = _towers(encode(micro), f"for micro-batch {i} (pass 2)")
         if before_backward is not None:
             before_backward()
         if window.is_padding:
