@@ -176,6 +176,7 @@ def test_stray_zero_grad_on_the_wrapper_raises() -> None:
     assert rel_err(now(model), now(start)) == 0
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_stray_accelerated_scheduler_step_raises() -> None:
     _, _, model, opt, dl, sched = prepared(gamma=0.5)
     with fb.Accumulator(model, opt, micro_batches=MICRO_BATCHES, scheduler=sched) as acc:
@@ -306,3 +307,62 @@ def test_tiny_llama_prepared() -> None:
     want = [p.grad for p in start.parameters()]
     # LlamaRMSNorm computes in float32 even in a float64 model: float32 rounding (5.5e-8).
     assert rel_err(seen[0], want) < 1e-6, rel_err(seen[0], want)
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "split_batches", "even_batches", "drop_last", "expected"),
+    [
+        (44, False, True, False, 4),  # 11 batches of 4 on 2 processes: rows 0-3 again
+        (42, False, True, False, 6),  # a short last batch completed, and one more batch
+        (48, False, True, False, 0),  # 6 full batches each: nothing added
+        (42, True, True, False, 2),  # split_batches: the short last batch is completed
+        (44, True, True, False, 0),
+        (42, False, False, False, 0),  # even_batches=False: nothing added
+        (42, False, True, True, 0),  # drop_last: nothing added (rows dropped instead)
+    ],
+)
+def test_even_batches_repetition_is_counted_exactly(
+    n_rows: int, split_batches: bool, even_batches: bool, drop_last: bool, expected: int
+) -> None:
+    """The rows Accelerate's BatchSamplerShard hands out on 2 processes, counted by iterating
+    both shards, against what acc.windows(loader) says it would add (or its silence)."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    data = list(range(n_rows))
+
+    def shard(process: int) -> DataLoaderShard:
+        sampler = BatchSampler(SequentialSampler(data), batch_size=4, drop_last=drop_last)
+        batches = BatchSamplerShard(sampler, 2, process, split_batches, even_batches)
+        return DataLoaderShard(data, batch_sampler=batches)
+
+    read = [i for p in (0, 1) for batch in shard(p) for i in batch.tolist()]
+    repeated = len(read) - len(set(read))
+    assert repeated == expected
+    model = make_lm()
+    acc = fb.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batches=2)
+    for process in (0, 1):
+        if repeated:
+            with pytest.raises(ValueError, match=f"adds {repeated} row\\(s\\)"):
+                acc.windows(shard(process))
+        else:
+            acc.windows(shard(process))
+
+
+def test_even_batches_with_varying_batch_sizes_repeats_whole_batches() -> None:
+    """A batch sampler of varying sizes (token budgets): whole batches from the start are
+    repeated until every process has as many (4 batches on 3 processes: 2 repeated)."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+
+    data = list(range(10))
+    budgets = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9]]
+
+    def shard(process: int) -> DataLoaderShard:
+        return DataLoaderShard(data, batch_sampler=BatchSamplerShard(budgets, 3, process))
+
+    read = [i for p in range(3) for batch in shard(p) for i in batch.tolist()]
+    assert sorted(read) == sorted([*range(10), 0, 1, 2, 3, 4])  # batches [0, 1, 2] and [3, 4] again
+    model = make_lm()
+    acc = fb.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batches=2)
+    with pytest.raises(ValueError, match=r"adds 2 batch\(es\) from the start"):
+        acc.windows(shard(0))

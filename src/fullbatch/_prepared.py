@@ -95,11 +95,15 @@ class Prepared:
         )
 
 
-def _rows(loader: Any) -> int | None:
-    try:
-        return len(loader.dataset)
-    except TypeError:
-        return None
+def _rows(loader: Any, shard: Any) -> int | None:
+    """The rows the loader's sampler draws from (a custom sampler may draw a subset)."""
+    sources: list[Any] = [getattr(shard.batch_sampler, "sampler", None), loader.dataset]
+    for source in sources:
+        try:
+            return len(source)
+        except TypeError:
+            continue
+    return None
 
 
 def check_loader(loader: Any) -> None:
@@ -123,7 +127,7 @@ def check_loader(loader: Any) -> None:
         repeated = -batches % processes
         what = f"{repeated} batch(es) from the start"
     else:
-        rows = _rows(loader)
+        rows = _rows(loader, shard)
         if rows is None:
             return
         per_round = size if shard.split_batches else size * processes
