@@ -274,7 +274,8 @@ def test_bf16_autocast_from_the_accelerator() -> None:
     assert model(rows()[0]["input_ids"][None]).dtype == torch.float32
     bf16_vs_fp32 = rel_err(full, fp32)
     assert 1e-4 < bf16_vs_fp32 < 3e-2, bf16_vs_fp32  # autocast is on: not float32
-    assert rel_err(seen[0], full) < 1e-2, rel_err(seen[0], full)
+    # Measured: 2.8e-3 vs Accelerate's bf16 full batch, which is itself 2.6e-3 off float32.
+    assert rel_err(seen[0], full) < 3 * bf16_vs_fp32, (rel_err(seen[0], full), bf16_vs_fp32)
 
 
 def test_tiny_llama_prepared() -> None:
