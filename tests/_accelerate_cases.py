@@ -143,3 +143,32 @@ def ddp_rank(rank: int, world: int, n_rows: int, even_batches: bool) -> dict[str
     out["grad_syncs"] = calls["grad"]
     out["last_epoch"] = sched.scheduler.last_epoch
     return out
+
+
+def ddp_leftover_accumulate(rank: int, world: int) -> dict[str, Any]:
+    """``accelerator.accumulate(model)`` left in the loop after gradient_accumulation_steps was
+    raised to 3: on fullbatch's 4th (final) micro-batch Accelerate enters DDP's no_sync().
+    Returns this rank's gradient after the final backward and the error at the step."""
+    _accelerator_env(rank, world)
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration())
+    model = make_lm()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt, dl = accelerator.prepare(model, opt, loader(rows(48)))
+    out: dict[str, Any] = {}
+    with fb.Accumulator(model, opt, micro_batches=MICRO_BATCHES) as acc:
+        accelerator.gradient_accumulation_steps = 3
+        try:
+            for window in acc.windows(dl):
+                for micro in window:
+                    with accelerator.accumulate(model):
+                        window.backward(*lm_loss(model, micro))
+                out["grad"] = model.module.out.weight.grad.clone()
+                window.step()
+        except RuntimeError as error:
+            out["error"] = str(error)
+    now = [p.detach() for p in model.module.parameters()]
+    out["moved"] = any(not torch.equal(a, b) for a, b in zip(start, now, strict=True))
+    return out

@@ -63,3 +63,15 @@ def test_even_batches_default_repeats_rows_and_is_refused() -> None:
     for r in (r0, r1):
         assert "adds 4 row(s) from the start of the data to its 44 rows" in r["error"]
         assert "DataLoaderConfiguration(even_batches=False)" in r["error"]
+
+
+def test_leftover_accumulate_that_unsyncs_ddp_raises_on_every_rank() -> None:
+    """Accelerate's accumulate() entered no_sync() on the window's final micro-batch: the
+    ranks' gradients were never averaged (they differ), so stepping would diverge the ranks.
+    Every rank refuses at window.step() and no parameter moves."""
+    r0, r1 = values(run_ranks(cases.ddp_leftover_accumulate, 2))
+    assert (r0["grad"] - r1["grad"]).abs().max() > 1e-3  # not synchronized
+    for r in (r0, r1):
+        assert "sync_gradients is False" in r["error"]
+        assert "gradient_accumulation_steps=3" in r["error"]
+        assert not r["moved"]
