@@ -16,6 +16,7 @@ from fullbatch._hooks import WindowHooks
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
 from fullbatch._precision import make_grad_buffers
+from fullbatch._prepared import Prepared, check_loader
 from fullbatch._resume import Resume
 from fullbatch._start import start_window
 from fullbatch._stats import StepStats
@@ -33,7 +34,9 @@ class Accumulator:
     Args:
         model: a plain module, a ``DistributedDataParallel`` model or an FSDP2
             (``fully_shard``) model.
-        optimizer: stepped once per window, with the normalized gradient.
+        optimizer: stepped once per window, with the normalized gradient. An Accelerate
+            ``AcceleratedOptimizer`` is unwrapped: fullbatch hooks and steps the optimizer it
+            wraps (``acc.optimizer``); give its GradScaler as ``scaler=accelerator.scaler``.
         micro_batches: the loader yields micro-batches; this many per rank make a window.
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
@@ -57,7 +60,9 @@ class Accumulator:
             tensors with rows first follow their rows; other leaves go to every micro-batch.
             A mask that is not right-padded (left padding) is regrouped but not trimmed
             (still exact; warned once). A missing key raises ``ValueError``.
-        scheduler: stepped once per optimizer step (not on skipped windows).
+        scheduler: stepped once per optimizer step (not on skipped windows). An Accelerate
+            ``AcceleratedScheduler`` keeps its own rule (``num_processes`` inner steps per
+            optimizer step unless ``split_batches``).
         scaler: a ``torch.amp.GradScaler``; scales each backward, unscales before clipping,
             updated once per window.
         max_grad_norm: clip the total gradient 2-norm to this value (the reported norm is
@@ -137,6 +142,9 @@ class Accumulator:
             batchnorm=batchnorm,
             padding_micro_batch=padding_micro_batch,
         )
+        # Accelerate's AcceleratedOptimizer: fullbatch hooks, steps and clears the inner one.
+        self._prepared = Prepared(optimizer, scheduler, scaler)
+        optimizer = self._prepared.optimizer
         self.model = model
         self.optimizer = optimizer
         self._scheduler = scheduler
@@ -162,7 +170,7 @@ class Accumulator:
         )
         self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
-        self._guard = LoopGuard(optimizer, scheduler, self._params)
+        self._guard = LoopGuard(optimizer, self._prepared.watched_scheduler, self._params)
         self._loss_scale: float | None = None
         self._window_hooks = WindowHooks()
         self._closed = False
@@ -211,6 +219,7 @@ class Accumulator:
             ValueError: a loader item cannot be split, or a rank has to pad and cannot.
         """
         self._check_usable()
+        check_loader(loader)
         return Windows(
             self._iterate(loader),
             loader,

@@ -59,6 +59,10 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
     if acc._guard.scheduler_moved():
         abandon_window(acc)
         raise RuntimeError(acc._guard.scheduler_message())
+    leftover = acc._prepared.step_message(window.index)
+    if leftover is not None:  # Accelerate's accumulate() would have un-synced this window
+        abandon_window(acc)
+        raise RuntimeError(leftover)
     sync = acc._sync
     precision = acc._precision  # accumulate_dtype: the float32 buffers stand in for .grad
     if sync.reduce_at_step:
