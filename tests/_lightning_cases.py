@@ -265,26 +265,30 @@ class _Env:
 
 
 def ddp_rank(
-    rank: int, world: int, per_rank: list[list[Batch]], k: int, root: str, exact: bool
-) -> list[list[torch.Tensor]]:
-    """One rank of a Lightning DDP run inside an existing gloo process group."""
+    rank: int, world: int, per_rank: list[list[Batch]], k: int, root: str
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """One rank of two Lightning DDP runs inside an existing gloo process group: with
+    ExactAccumulation (sum loss + count), then Lightning's own accumulation of a mean loss."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    torch.manual_seed(0)
-    module = LM(tiny_lm(0), mean=not exact)
-    strategy = DDPStrategy(
-        cluster_environment=_Env(rank, world),
-        process_group_backend="gloo",
-        timeout=datetime.timedelta(seconds=30),
-    )
-    rec = fit(
-        module,
-        per_rank[rank],
-        k=k,
-        root=root,
-        exact=exact,
-        devices=world,
-        strategy=strategy,
-        use_distributed_sampler=False,  # each rank's loader already holds its own micro-batches
-    )
-    return rec.params
+    out = []
+    for exact in (True, False):
+        torch.manual_seed(0)
+        module = LM(tiny_lm(0), mean=not exact)
+        strategy = DDPStrategy(
+            cluster_environment=_Env(rank, world),
+            process_group_backend="gloo",
+            timeout=datetime.timedelta(seconds=30),
+        )
+        rec = fit(
+            module,
+            per_rank[rank],
+            k=k,
+            root=root,
+            exact=exact,
+            devices=world,
+            strategy=strategy,
+            use_distributed_sampler=False,  # each rank's loader already holds its own share
+        )
+        out.append(rec.params)
+    return out[0], out[1]

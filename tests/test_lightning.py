@@ -273,3 +273,26 @@ def test_callback_leaves_the_module_class_untouched(tmp_path: Path) -> None:
 def test_import_fullbatch_does_not_import_lightning() -> None:
     code = "import sys, fullbatch; fullbatch.Accumulator; assert 'lightning' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_two_callbacks_are_refused(tmp_path: Path) -> None:
+    _fit_raises(
+        tmp_path, LM(tiny_lm(0)), "2 ExactAccumulation callbacks", callbacks=[ExactAccumulation()]
+    )
+
+
+def test_a_gradient_reader_listed_first_is_warned_about(tmp_path: Path) -> None:
+    class GradNorm(cases.pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            pass
+
+    batches, _ = _data(SIZES[:4])
+    with pytest.warns(UserWarning, match=r"\['GradNorm'\] come before ExactAccumulation"):
+        fit(
+            LM(tiny_lm(0)),
+            batches,
+            k=K,
+            root=str(tmp_path),
+            exact=False,
+            callbacks=[GradNorm(), ExactAccumulation()],
+        )

@@ -168,6 +168,26 @@ class ExactAccumulation(pl.Callback):
                 "D being what the hook divides the summed gradient by (the world size for "
                 "averaging hooks, 1 for summing ones)."
             )
+        mine = [c for c in trainer.callbacks if isinstance(c, ExactAccumulation)]  # type: ignore[attr-defined]
+        if len(mine) > 1:
+            raise ValueError(
+                f"{len(mine)} ExactAccumulation callbacks on one Trainer would each rescale the "
+                "gradient; pass one."
+            )
+        before = trainer.callbacks[: trainer.callbacks.index(self)]  # type: ignore[attr-defined]
+        readers = [
+            type(c).__name__
+            for c in before
+            if type(c).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
+        ]
+        if readers:
+            warnings.warn(
+                f"callbacks {readers} come before ExactAccumulation and read the gradient in "
+                "on_before_optimizer_step before it is normalized; list ExactAccumulation first "
+                "in Trainer(callbacks=[...]).",
+                UserWarning,
+                stacklevel=2,
+            )
         self._pending.clear()
         original = pl_module.training_step
 
