@@ -296,3 +296,46 @@ def test_a_gradient_reader_listed_first_is_warned_about(tmp_path: Path) -> None:
             exact=False,
             callbacks=[GradNorm(), ExactAccumulation()],
         )
+
+
+def test_a_non_finite_window_loss_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    class InfAt5(LM):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            if batch_idx == 5:  # second window
+                out["loss"] = out["loss"] * math.inf
+            return out
+
+    batches, windows = _data(SIZES[:8])
+    ref = reference(tiny_lm(0).double(), windows[:1])
+    with pytest.warns(RuntimeWarning, match="skipped window 2 \\(non-finite loss inf\\)"):
+        rec = fit(InfAt5(tiny_lm(0)), batches, k=K, root=str(tmp_path))
+    assert max_diff(rec.params[:1], ref) < 1e-12
+    assert max_diff(rec.params[1:], rec.params[:1]) == 0.0
+
+
+def _setup_with(strategy: Any, cb: ExactAccumulation | None = None) -> None:
+    """Call the callback's setup with a stand-in Trainer holding ``strategy``."""
+    from types import SimpleNamespace
+
+    cb = cb or ExactAccumulation()
+    trainer = SimpleNamespace(accumulate_grad_batches=2, strategy=strategy, callbacks=[cb])
+    cb.setup(trainer, LM(tiny_lm(0)), "fit")  # type: ignore[arg-type]
+
+
+def test_an_unknown_strategy_is_refused() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError, match="DDP strategies, not FSDPStrategy"):
+        _setup_with(FSDPStrategy())
+
+
+def test_a_ddp_comm_hook_needs_grad_divisor() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    def my_hook(state: Any, bucket: Any) -> Any:
+        return bucket
+
+    with pytest.raises(ValueError, match=r"ddp_comm_hook='my_hook'.*grad_divisor=D"):
+        _setup_with(DDPStrategy(ddp_comm_hook=my_hook))
+    _setup_with(DDPStrategy(ddp_comm_hook=my_hook), ExactAccumulation(grad_divisor=2))  # accepted
