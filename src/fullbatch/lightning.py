@@ -9,28 +9,14 @@ the *summed* loss and its item count, and the callback rescales the accumulated 
 per window, in ``on_before_optimizer_step``, which Lightning calls after the GradScaler's
 unscale and before gradient clipping.
 
-Example (runs on CPU; a 2-layer bigram LM over right-padded rows, ``-100`` at padding)::
-
-    import lightning.pytorch as pl
-    import torch
-    from torch import nn
-
-    import fullbatch as fb
-    from fullbatch.lightning import ExactAccumulation
+Example (the full, runnable version is in ``docs/integrations_lightning.md``)::
 
     class LM(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))
-
         def training_step(self, batch, batch_idx):
             loss_sum, n = fb.causal_lm_loss(self.net(batch["input_ids"]), batch["labels"])
             return {"loss": loss_sum, "count": n}  # summed loss and its token count
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = pl.Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation()], ...)
+    trainer = pl.Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation()])
 """
 
 from __future__ import annotations
@@ -106,7 +92,9 @@ class ExactAccumulation(pl.Callback):
         ValueError: ``training_step`` returned a tensor or a dict without ``"count"``; a
             count that is negative or not finite; manual optimization; an
             ``accumulate_grad_batches`` that is not a positive int; a strategy other than
-            single-device or DDP; a DDP communication hook without ``grad_divisor``.
+            single-device or DDP; a DDP communication hook without ``grad_divisor``; two
+            ExactAccumulation callbacks on one Trainer.
+        RuntimeError: ``accumulate_grad_batches`` changed inside a window.
 
     Warns (``RuntimeWarning``) and leaves parameters and optimizer state unchanged (every
     gradient set to ``None``) when a window counts zero items or its loss is not finite;
@@ -140,9 +128,10 @@ class ExactAccumulation(pl.Callback):
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "ExactAccumulation works with automatic optimization only; this module sets "
-                "automatic_optimization=False. With manual optimization, run fullbatch's own "
-                "loop in training_step (fb.Accumulator and window.backward(loss_sum, n)), or "
-                "remove the callback."
+                "automatic_optimization=False, so you call backward and step yourself: "
+                "backpropagate summed losses and divide the gradients once by the window's "
+                "total count before optimizer.step() (or train with fb.Accumulator in a "
+                "plain loop), and remove the callback."
             )
         k = trainer.accumulate_grad_batches
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -337,7 +326,6 @@ class ExactAccumulation(pl.Callback):
                     p.grad.mul_(factor)
         self.loss, self.count = total_loss / total_count, total_count
         if self.log_name is not None:
-            value = torch.tensor(
-                self.loss, dtype=torch.float64
-            )  # a float would be logged as float32
+            # a Python float would be logged as float32
+            value = torch.tensor(self.loss, dtype=torch.float64)
             pl_module.log(self.log_name, value, on_step=True, on_epoch=False, batch_size=1)
