@@ -266,12 +266,16 @@ class _Env:
 
 def ddp_rank(
     rank: int, world: int, per_rank: list[list[Batch]], k: int, root: str
-) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+) -> tuple[list[list[torch.Tensor]], float, list[list[torch.Tensor]]]:
     """One rank of two Lightning DDP runs inside an existing gloo process group: with
-    ExactAccumulation (sum loss + count), then Lightning's own accumulation of a mean loss."""
+    ExactAccumulation (sum loss + count; returns its params and last window loss), then
+    Lightning's own accumulation of a mean loss (its params)."""
     from lightning.pytorch.strategies import DDPStrategy
 
+    from fullbatch.lightning import ExactAccumulation
+
     out = []
+    cb = ExactAccumulation()
     for exact in (True, False):
         torch.manual_seed(0)
         module = LM(tiny_lm(0), mean=not exact)
@@ -285,10 +289,11 @@ def ddp_rank(
             per_rank[rank],
             k=k,
             root=root,
-            exact=exact,
+            exact=False,
+            callbacks=[cb] if exact else [],
             devices=world,
             strategy=strategy,
             use_distributed_sampler=False,  # each rank's loader already holds its own share
         )
         out.append(rec.params)
-    return out[0], out[1]
+    return out[0], cb.loss, out[1]

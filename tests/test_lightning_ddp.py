@@ -9,6 +9,7 @@ a plain float64 full-batch run over both ranks' rows of that window.
 
 from __future__ import annotations
 
+import math
 import tempfile
 
 import pytest
@@ -38,11 +39,14 @@ def _setup() -> tuple[list[list[cases.Batch]], list[list[cases.torch.Tensor]]]:
 
 def test_ddp_two_ranks_uneven_counts_match_the_full_batch_every_step() -> None:
     per_rank, windows = _setup()
-    ref = cases.reference(cases.tiny_lm(0).double(), windows)
+    losses: list[float] = []
+    ref = cases.reference(cases.tiny_lm(0).double(), windows, losses=losses)
     with tempfile.TemporaryDirectory() as root:
         got = values(run_ranks(cases.ddp_rank, 2, per_rank, K, root, deadline=90))
-    for exact, plain in got:
+    for exact, last_loss, plain in got:
         assert len(exact) == 2  # a full window and the partial one
         assert cases.max_diff(exact, ref) < 1e-12
+        # the window loss over both ranks' tokens, the same on every rank
+        assert math.isclose(last_loss, losses[-1], rel_tol=1e-12)
         # Lightning's own accumulation of a mean loss, same ranks and data: visibly off.
         assert cases.max_diff(plain, ref) > 1e-3
