@@ -182,7 +182,7 @@ def reference(
         picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         loss = -(picked * keep).sum() / keep.sum()  # the full batch's mean token loss
         if losses is not None:
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if clip is not None:
