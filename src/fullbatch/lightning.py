@@ -1,0 +1,331 @@
+"""Exact gradient accumulation for Lightning's ``Trainer(accumulate_grad_batches=K)``.
+
+Lightning divides every micro-batch's loss by ``K`` before backward. With a per-micro-batch
+*mean* loss that is a mean of means (wrong whenever micro-batches hold different numbers of
+tokens, Lightning#20350), and the epoch's last window of ``k < K`` micro-batches is still
+divided by ``K`` (Lightning#19987). :class:`ExactAccumulation` makes each optimizer step the
+full-batch step over the window's micro-batches (and all DDP ranks): ``training_step`` returns
+the *summed* loss and its item count, and the callback rescales the accumulated gradient once
+per window, in ``on_before_optimizer_step``, which Lightning calls after the GradScaler's
+unscale and before gradient clipping.
+
+Example (the full, runnable version is in ``docs/integrations_lightning.md``)::
+
+    class LM(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            loss_sum, n = fb.causal_lm_loss(self.net(batch["input_ids"]), batch["labels"])
+            return {"loss": loss_sum, "count": n}  # summed loss and its token count
+
+    trainer = pl.Trainer(accumulate_grad_batches=4, callbacks=[ExactAccumulation()])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:  # the unified package first, then the standalone one
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.strategies import (  # type: ignore[assignment]
+            DDPStrategy,
+            SingleDeviceStrategy,
+        )
+    except ImportError as exc:
+        raise ImportError(
+            "fullbatch.lightning needs Lightning (the `lightning` or `pytorch_lightning` "
+            'package); install it with: pip install "fullbatch[lightning]"'
+        ) from exc
+
+__all__ = ["ExactAccumulation"]
+
+_RETURN_HINT = (
+    'return {"loss": loss_sum, "count": n} from training_step, e.g. '
+    "`loss_sum, n = fb.causal_lm_loss(logits, labels)`"
+)
+
+
+@dataclass(frozen=True)
+class _Micro:
+    """What one micro-batch's ``training_step`` returned, kept until the window's step."""
+
+    loss: torch.Tensor  # detached summed loss, float64
+    count: torch.Tensor  # item count, float64, on the loss's device
+    divisor: int  # the K Lightning divides this micro-batch's loss by
+
+
+class ExactAccumulation(pl.Callback):
+    """Make ``Trainer(accumulate_grad_batches=K)`` step exactly like the full batch.
+
+    ``training_step`` must return ``{"loss": loss_sum, "count": n}``: the loss *summed* over
+    the micro-batch's items and how many items that sum holds (``fb.causal_lm_loss`` and
+    ``fb.cross_entropy_sum`` return both). Lightning backpropagates ``loss_sum / K`` as usual
+    (DDP then averages over its ``W`` ranks); at ``on_before_optimizer_step`` the callback
+    all-reduces the window's loss sum and count over the DDP group (one small collective, no
+    gradient traffic) and multiplies every gradient by ``K * W / N``, so the optimizer, the
+    gradient clipping (``gradient_clip_val``) and the GradScaler see ``∇(Σ loss_sum) / N``.
+    The epoch's last, shorter window is normalized by its own count.
+
+    How it sees the counts: at ``setup("fit")`` it sets an instance attribute
+    ``training_step`` on the LightningModule that calls the original one and records its
+    output (the class is untouched; ``teardown`` removes the attribute). Outputs pass through
+    unchanged, so Lightning's progress-bar ``loss`` shows the micro-batch's summed loss.
+
+    Args:
+        log_name: the window's true loss ``Σ loss_sum / N`` (over micro-batches and ranks) is
+            logged under this name with ``pl_module.log(..., on_step=True)`` at each step;
+            ``None`` logs nothing. ``self.loss`` and ``self.count`` hold the last window's.
+        grad_divisor: what DDP divides the summed gradient by. ``None``: the DDP process
+            group's size (DDP's own averaging). Give it when a DDP communication hook
+            (``DDPStrategy(ddp_comm_hook=...)``) sums or divides differently.
+
+    Raises (during ``fit``):
+        ValueError: ``training_step`` returned a tensor or a dict without ``"count"``; a
+            count that is negative or not finite; manual optimization; an
+            ``accumulate_grad_batches`` that is not a positive int; a strategy other than
+            single-device or DDP; a DDP communication hook without ``grad_divisor``; two
+            ExactAccumulation callbacks on one Trainer.
+        RuntimeError: ``accumulate_grad_batches`` changed inside a window.
+
+    Warns (``RuntimeWarning``) and leaves parameters and optimizer state unchanged (every
+    gradient set to ``None``) when a window counts zero items or its loss is not finite;
+    Lightning still steps the LR scheduler for that window.
+
+    Example:
+        >>> from fullbatch.lightning import ExactAccumulation
+        >>> cb = ExactAccumulation()
+        >>> cb.steps, cb.skipped_windows
+        (0, 0)
+    """
+
+    def __init__(self, *, log_name: str | None = "train_loss", grad_divisor: float | None = None):
+        if grad_divisor is not None and not (math.isfinite(grad_divisor) and grad_divisor > 0):
+            raise ValueError(f"grad_divisor must be a finite number > 0, got {grad_divisor!r}")
+        self.log_name = log_name
+        self.grad_divisor = grad_divisor
+        self.loss = math.nan  # the last window's Σ loss_sum / N
+        self.count = math.nan  # the last window's N (over ranks)
+        self.steps = 0  # windows that reached the optimizer (skipped ones included)
+        self.skipped_windows = 0
+        self._pending: list[_Micro] = []
+        self._recorded = False  # this batch's training_step output was recorded
+        self._module: pl.LightningModule | None = None
+
+    # -- set-up and tear-down ------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "ExactAccumulation works with automatic optimization only; this module sets "
+                "automatic_optimization=False, so you call backward and step yourself: "
+                "backpropagate summed losses and divide the gradients once by the window's "
+                "total count before optimizer.step() (or train with fb.Accumulator in a "
+                "plain loop), and remove the callback."
+            )
+        k = trainer.accumulate_grad_batches
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={k!r}): ExactAccumulation needs a positive int. "
+                "For a schedule over epochs use Lightning's GradientAccumulationScheduler "
+                "callback (each epoch's K is read at every micro-batch)."
+            )
+        strategy = trainer.strategy
+        if strategy.handles_gradient_accumulation or not isinstance(
+            strategy, (SingleDeviceStrategy, DDPStrategy)
+        ):
+            raise ValueError(
+                f"ExactAccumulation supports the single-device and DDP strategies, not "
+                f"{type(strategy).__name__}: its gradient division is not known here. Use "
+                'strategy="ddp" (or "auto" on one device), or fullbatch.Accumulator directly.'
+            )
+        hook = getattr(strategy, "_ddp_comm_hook", None)
+        if isinstance(strategy, DDPStrategy) and hook is not None and self.grad_divisor is None:
+            raise ValueError(
+                f"DDPStrategy(ddp_comm_hook={getattr(hook, '__name__', hook)!r}) may not average "
+                "gradients over ranks the way DDP does. Pass ExactAccumulation(grad_divisor=D), "
+                "D being what the hook divides the summed gradient by (the world size for "
+                "averaging hooks, 1 for summing ones)."
+            )
+        mine = [c for c in trainer.callbacks if isinstance(c, ExactAccumulation)]  # type: ignore[attr-defined]
+        if len(mine) > 1:
+            raise ValueError(
+                f"{len(mine)} ExactAccumulation callbacks on one Trainer would each rescale the "
+                "gradient; pass one."
+            )
+        before = trainer.callbacks[: trainer.callbacks.index(self)]  # type: ignore[attr-defined]
+        readers = [
+            type(c).__name__
+            for c in before
+            if type(c).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
+        ]
+        if readers:
+            warnings.warn(
+                f"callbacks {readers} come before ExactAccumulation and read the gradient in "
+                "on_before_optimizer_step before it is normalized; list ExactAccumulation first "
+                "in Trainer(callbacks=[...]).",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._pending.clear()
+        original = pl_module.training_step
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            return self._record(trainer, original(*args, **kwargs))
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self._module = pl_module
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._module is pl_module and "training_step" in vars(pl_module):
+            del pl_module.training_step  # the class's method shows through again
+        self._module = None
+        self._pending.clear()
+
+    # -- one micro-batch -----------------------------------------------------------------
+
+    def _record(self, trainer: pl.Trainer, out: Any) -> Any:
+        """Check a ``training_step`` output and keep its loss sum and count for the step."""
+        if out is None:  # Lightning skips this micro-batch's backward: nothing to count
+            return out
+        if isinstance(out, torch.Tensor):
+            raise ValueError(
+                f"training_step returned a tensor (shape {tuple(out.shape)}) with "
+                "ExactAccumulation on: a per-micro-batch mean cannot be accumulated exactly. "
+                + _RETURN_HINT
+            )
+        if not isinstance(out, Mapping) or "count" not in out or "loss" not in out:
+            keys = sorted(map(str, out)) if isinstance(out, Mapping) else type(out).__name__
+            raise ValueError(
+                f"training_step returned {keys}; ExactAccumulation needs both keys: {_RETURN_HINT}"
+            )
+        loss, count = out["loss"], out["count"]
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError(
+                f'training_step\'s "loss" must be a 0-dim tensor (the summed loss), got '
+                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
+            )
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1:
+                raise ValueError(
+                    f'"count" must be one number, got a tensor of shape {tuple(count.shape)}'
+                )
+        elif isinstance(count, bool) or not isinstance(count, (int, float)):
+            raise ValueError(
+                f'"count" must be a number or a 0-dim tensor, got {type(count).__name__}'
+            )
+        elif not (math.isfinite(count) and count >= 0):  # plain numbers: check now, no sync
+            raise ValueError(
+                f'"count" must be a finite number >= 0, got {count!r}. ' + _RETURN_HINT
+            )
+        n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
+        divisor = trainer.accumulate_grad_batches  # what Lightning divides this loss by, next
+        self._pending.append(_Micro(loss.detach().to(torch.float64), n, divisor))
+        self._recorded = True
+        return out
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_pending("at the start of an epoch")
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._recorded = False
+
+    def on_before_zero_grad(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # Lightning zeroes gradients right after the training_step of a window's first
+        # micro-batch; anything recorded before it belongs to gradients that are now gone.
+        newest = self._pending[-1:] if self._recorded else []
+        self._pending = self._pending[: len(self._pending) - len(newest)]
+        self._drop_pending("when Lightning zeroed the gradients")
+        self._pending = newest
+
+    def _drop_pending(self, when: str) -> None:
+        if self._pending:
+            warnings.warn(
+                f"ExactAccumulation: {len(self._pending)} micro-batch(es) were accumulated but "
+                f"never stepped (Lightning dropped them {when}, e.g. on_train_batch_start "
+                "returned -1); their gradients are not in any step.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._pending = []
+
+    # -- the step ------------------------------------------------------------------------
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        window, self._pending = self._pending, []
+        if not window:  # every training_step returned None: nothing was backpropagated
+            return
+        divisors = {m.divisor for m in window}
+        if len(divisors) != 1:
+            raise RuntimeError(
+                f"accumulate_grad_batches changed inside a window ({sorted(divisors)}); change it "
+                "only between epochs (GradientAccumulationScheduler does)."
+            )
+        counts = torch.stack([m.count for m in window])
+        local = torch.stack(
+            [
+                torch.stack([m.loss for m in window]).sum(),
+                counts.sum(),
+                (~torch.isfinite(counts) | (counts < 0)).sum().to(torch.float64),
+            ]
+        )
+        world = 1.0
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
+            import torch.distributed as dist
+
+            group = getattr(strategy.model, "process_group", None)
+            dist.all_reduce(local, group=group)  # Σ loss, Σ count, bad counts over ranks
+            world = float(dist.get_world_size(group))
+        if self.grad_divisor is not None:
+            world = float(self.grad_divisor)
+        total_loss, total_count, bad = local.tolist()  # the one host sync per window
+        self.steps += 1
+        if bad:
+            raise ValueError(
+                f"{int(bad)} micro-batch count(s) in this window were negative or not finite "
+                f"(this rank's counts: {counts.tolist()}). " + _RETURN_HINT
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if total_count == 0 or not math.isfinite(total_loss):
+            self.loss, self.count = math.nan, total_count
+            self.skipped_windows += 1
+            reason = "zero counted items" if total_count == 0 else f"non-finite loss {total_loss}"
+            for p in params:
+                p.grad = None  # torch optimizers leave parameters without a gradient alone
+            warnings.warn(
+                f"ExactAccumulation skipped window {self.steps} ({reason}): parameters and "
+                f"optimizer state unchanged ({self.skipped_windows} skipped so far; "
+                "Lightning still steps the LR scheduler).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        # Lightning backpropagated loss_sum / K; DDP averaged over `world` ranks.
+        factor = divisors.pop() * world / total_count
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        self.loss, self.count = total_loss / total_count, total_count
+        if self.log_name is not None:
+            # a Python float would be logged as float32
+            value = torch.tensor(self.loss, dtype=torch.float64)
+            pl_module.log(self.log_name, value, on_step=True, on_epoch=False, batch_size=1)
