@@ -8,15 +8,20 @@ batch (``gradient_accumulation_steps=1``, 16 rows per batch, the same rows): the
 error of the gradient the optimizer receives in the first window (from identical parameters),
 and the max |parameter difference| after the 4 steps of the epoch.
 
-Extra rows: the last partial window (8 rows: 2 of the 4 micro-batches; one step), and a tiny
+Extra rows: the last partial window (8 rows: 2 of the 4 micro-batches; one step); a tiny
 BERT masked-LM head (every third real token a target) on the same rows, a head that accepts
-``**kwargs`` and drops ``num_items_in_batch``.
+``**kwargs`` and drops ``num_items_in_batch``; and 2 DDP processes (gloo, CPU), each with
+2 micro-batches of 4 rows per window, with ``average_tokens_across_devices`` True and False.
 
 Run: ``python benchmarks/integration_hf_trainer.py`` (about a minute on 2 CPU cores).
 """
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing as mp
+import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +82,7 @@ def train(
     k: int,
     batch: int,
     exact: bool,
+    **overrides: Any,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One epoch; the first window's gradient (as the optimizer gets it) and the final params."""
     first: dict[str, torch.Tensor] = {}
@@ -108,6 +114,7 @@ def train(
             disable_tqdm=True,
             dataloader_num_workers=0,
             seed=0,
+            **overrides,
         )
         common: dict[str, Any] = dict(
             model=model,
@@ -132,6 +139,60 @@ def param_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> fl
     return max(float((got[n] - ref[n]).abs().max()) for n in ref)
 
 
+def ddp_worker(rank: int, world: int, store: str, rows: list[Any], results: Any) -> None:
+    """One of 2 gloo ranks: K=2 micro-batches of 4 rows per rank, so a window is 16 rows."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    out = []
+    for recipe, exact, average in (
+        ("Trainer, K=2, average_tokens_across_devices=True", False, True),
+        ("Trainer, K=2, average_tokens_across_devices=False", False, False),
+        ("fullbatch ExactTrainer, K=2, average_tokens_across_devices=True", True, True),
+        ("fullbatch ExactTrainer, K=2, average_tokens_across_devices=False", True, False),
+    ):
+        grad, params = train(
+            llama,
+            rows,
+            "causal_lm",
+            k=2,
+            batch=MICRO,
+            exact=exact,
+            average_tokens_across_devices=average,
+        )
+        out.append((recipe, grad, params))
+    if rank == 0:  # plain pickle: tensors travel as bytes, not handles that die with the process
+        results.put(pickle.dumps(out))
+    dist.destroy_process_group()
+
+
+def two_processes(rows: list[dict[str, Any]]) -> list[Any]:
+    """Rank r reads micro-batches r, r+2, ... (sequential sampling, accelerate's sharding), so
+    window w holds rows 16w..16w+15 over both ranks: the single-process full batch's rows."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=ddp_worker, args=(r, 2, store, rows, results)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        out = pickle.loads(results.get(timeout=300))
+        for p in procs:
+            p.join(timeout=60)
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(1)
     loaded = tiny_llama(seed=0, max_length=128, dtype=torch.float32)
@@ -153,6 +214,12 @@ def main() -> None:
                 f"| {model_name} | {windows} | {recipe} | {grad_error(grad, ref_grad):.1e} | "
                 f"{param_diff(params, ref_params):.1e} |"
             )
+    ref_grad, ref_params = train(llama, rows, "causal_lm", k=1, batch=K * MICRO, exact=False)
+    for recipe, grad, params in two_processes(rows):
+        print(
+            f"| tiny Llama, causal LM | 2 processes, 4 x 16 rows | {recipe} | "
+            f"{grad_error(grad, ref_grad):.1e} | {param_diff(params, ref_params):.1e} |"
+        )
 
 
 if __name__ == "__main__":

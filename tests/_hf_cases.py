@@ -171,8 +171,9 @@ def step_errors(got: dict[str, Any], ref: dict[str, Any], start: torch.nn.Module
     return out
 
 
-def ddp_rank(rank: int, world: int, kind: str, k: int, batch: int, n_rows: int) -> dict[str, Any]:
-    """One rank of the DDP test: the group is initialized already (tests/_dist.py)."""
+def ddp_rank(rank: int, world: int, k: int, batch: int, n_rows: int) -> dict[str, Any]:
+    """One rank of the DDP test (the group is initialized already, tests/_dist.py): the stock
+    Trainer and ExactTrainer, both with ``average_tokens_across_devices`` True and False."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -182,11 +183,23 @@ def ddp_rank(rank: int, world: int, kind: str, k: int, batch: int, n_rows: int) 
         MASTER_PORT="1",  # never used: accelerate finds the process group initialized
         OMP_NUM_THREADS="1",
     )
-    result = run(llama, text_rows(n_rows), kind, k=k, batch=batch, exact="causal_lm")
-    trainer = result.pop("trainer")
-    assert trainer.accelerator.num_processes == world
-    assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    return result
+    out = {}
+    for exact in ("causal_lm", None):
+        for average in (True, False):
+            result = run(
+                llama,
+                text_rows(n_rows),
+                "causal_lm",
+                k=k,
+                batch=batch,
+                exact=exact,
+                average_tokens_across_devices=average,
+            )
+            trainer = result.pop("trainer")
+            assert trainer.accelerator.num_processes == world
+            assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+            out[("exact" if exact else "stock", average)] = result
+    return out
 
 
 def torch_reference(

@@ -232,15 +232,16 @@ def test_classification_loss_refuses_token_labels(tmp_path: Any, rows: list[Any]
 def test_ddp_two_ranks_equal_full_batch() -> None:
     """Two gloo ranks, K=2 micro-batches of 4 rows each per window: every rank's parameters
     after every step equal the full batch over both ranks' rows (windows of 16, 16, 8 rows;
-    the ranks hold different numbers of tokens)."""
+    the ranks hold different numbers of tokens), with average_tokens_across_devices True or
+    False. The stock Trainer is exact only with it True."""
     n_rows, k = 40, 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = values(run_ranks(ddp_rank, 2, "causal_lm", k, 4, n_rows, deadline=120.0))
+        results = values(run_ranks(ddp_rank, 2, k, 4, n_rows, deadline=150.0))
     rows = text_rows(n_rows)
+    seen = [r[("exact", True)]["seen"] for r in results]
     per_rank = [
-        [[i for micro in r["seen"][w : w + k] for i in micro] for w in range(0, len(r["seen"]), k)]
-        for r in results
+        [[i for micro in s[w : w + k] for i in micro] for w in range(0, len(s), k)] for s in seen
     ]
     windows = [[rows[i] for i in a + b] for a, b in zip(*per_rank, strict=True)]
     assert [len(w) for w in windows] == [16, 16, 8]
@@ -248,7 +249,15 @@ def test_ddp_two_ranks_equal_full_batch() -> None:
     tokens = [[sum(len(rows[i]["input_ids"]) for i in w) for w in rank] for rank in per_rank]
     assert all(a != b for a, b in zip(*tokens, strict=True)), tokens  # uneven across ranks
     ref = torch_reference(llama, windows, "causal_lm")
+    start = llama()
     for rank, result in enumerate(results):
-        errors = step_errors(result, ref, llama())
-        assert max(errors) < LLAMA_TOL, (rank, errors)
-        _losses_close(result["losses"], ref["losses"])
+        for (recipe, average), run_ in result.items():
+            assert [m for m in run_["seen"]] == seen[rank]  # the same rows in every run
+            errors = step_errors(run_, ref, start)
+            if recipe == "exact":
+                assert max(errors) < LLAMA_TOL, (rank, average, errors)
+                _losses_close(run_["losses"], ref["losses"])
+            elif average:  # the stock Trainer, exact up to its float32 loss
+                assert max(errors) < 1e-6, (rank, errors)
+            else:  # per-rank token counts, averaged by DDP: the step is off
+                assert min(errors) > 1e-3, (rank, errors)
