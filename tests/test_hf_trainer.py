@@ -261,3 +261,67 @@ def test_ddp_two_ranks_equal_full_batch() -> None:
                 assert max(errors) < 1e-6, (rank, errors)
             else:  # per-rank token counts, averaged by DDP: the step is off
                 assert min(errors) > 1e-3, (rank, errors)
+
+
+def test_shift_labels_are_used_as_given(tmp_path: Any, rows: list[Any]) -> None:
+    """Labels already shifted by the collator (``shift_labels``) are not shifted again."""
+
+    class Shifted(Collator):
+        def __call__(self, batch_rows: list[Any]) -> dict[str, torch.Tensor]:
+            batch = super().__call__(batch_rows)
+            labels = batch["labels"]
+            pad = torch.full_like(labels[:, :1], -100)
+            batch["shift_labels"] = torch.cat([labels[:, 1:], pad], 1)
+            batch["labels"] = torch.full_like(labels, 7)  # must not be read
+            return batch
+
+    ref = torch_reference(llama, windows_of(rows[:16], 16), "causal_lm")
+    trainer = fbhf.ExactTrainer(
+        model=llama(),
+        args=training_args(str(tmp_path), k=4, batch=4),
+        train_dataset=rows[:16],
+        data_collator=Shifted("causal_lm"),
+        loss="causal_lm",
+    )
+    trainer.train()
+    got = {"steps": [{n: p.detach() for n, p in trainer.model.named_parameters()}]}
+    assert max(step_errors(got, ref, llama())) < LLAMA_TOL
+
+
+def test_training_step_outside_a_window(tmp_path: Any, rows: list[Any]) -> None:
+    trainer = _trainer(tmp_path, llama(), "causal_lm", exact="causal_lm")
+    micro = Collator("causal_lm")(rows[:2])
+    with pytest.raises(RuntimeError, match="outside a window"):
+        trainer.training_step(trainer.model, micro)
+    batches, _ = trainer.get_batch_samples(iter([micro, micro]), 2, trainer.args.device)
+    trainer.accelerator.gradient_state._set_sync_gradients(True)  # the loop would say False
+    with pytest.raises(RuntimeError, match="disagree"):
+        trainer.training_step(trainer.model, batches[0])
+
+
+def test_check_trainer_removes_unused_columns(tmp_path: Any) -> None:
+    """As the Trainer's loader does: a column the model does not take (``text``) is dropped."""
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        {"input_ids": torch.randint(1, 200, (5,), generator=g), "labels": i % 3, "text": "x"}
+        for i in range(8)
+    ]
+    args = training_args(str(tmp_path), k=4, batch=2, remove_unused_columns=True)
+    model = bert("classification")
+    trainer = fbhf.ExactTrainer(model=model, args=args, train_dataset=rows, loss="classification")
+    check = fbhf.check_trainer(trainer)
+    assert check.passed, str(check)
+    assert check.rows == 8 and check.micro_batches == 4
+
+
+def test_import_error_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import fullbatch\n"
+        "try:\n    import fullbatch.hf\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert 'pip install "fullbatch[hf]"' in out.stdout, out.stderr

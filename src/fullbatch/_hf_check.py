@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,20 +110,25 @@ def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, name
     )
 
 
-def _rows_of(trainer: Any, rows: Sequence[Any] | None, needed: int) -> list[Any]:
-    if rows is None:
-        dataset = trainer.train_dataset
-        if dataset is None:
-            raise ValueError("the Trainer has no train_dataset; pass rows=[...] to check_trainer.")
-        if hasattr(dataset, "column_names"):  # a datasets.Dataset: drop what forward ignores
-            dataset = trainer._remove_unused_columns(dataset, description="check_trainer")
-        rows = dataset
-    if len(rows) < needed:
+def _rows_and_collator(
+    trainer: Any, rows: Sequence[Any] | None, needed: int
+) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The rows to use and the collator, with unused columns removed as the Trainer's loader
+    would (``datasets.Dataset`` columns, or the keys of plain rows)."""
+    collate = trainer.data_collator
+    data: Any = trainer.train_dataset if rows is None else rows
+    if data is None:
+        raise ValueError("the Trainer has no train_dataset; pass rows=[...] to check_trainer.")
+    if hasattr(data, "column_names"):  # a datasets.Dataset
+        data = trainer._remove_unused_columns(data, description="check_trainer")
+    else:
+        collate = trainer._get_collator_with_removed_columns(collate, description="check_trainer")
+    if len(data) < needed:
         raise ValueError(
             f"check_trainer needs {needed} rows (gradient_accumulation_steps x "
-            f"per_device_train_batch_size), got {len(rows)}."
+            f"per_device_train_batch_size), got {len(data)}."
         )
-    return [rows[i] for i in range(needed)]
+    return [data[i] for i in range(needed)], collate
 
 
 def _run_window(trainer: Any, model: torch.nn.Module, batches: list[Any]) -> tuple[dict, float]:
@@ -210,8 +215,7 @@ def check_trainer(
             "torchrun (a single process), e.g. in a notebook or a short script."
         )
     size = trainer.args.per_device_train_batch_size
-    data = _rows_of(trainer, rows, k * size)
-    collate = trainer.data_collator
+    data, collate = _rows_and_collator(trainer, rows, k * size)
     micro = [collate(data[i * size : (i + 1) * size]) for i in range(k)]
     full = [collate(data)]
 
