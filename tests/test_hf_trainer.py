@@ -325,3 +325,12 @@ def test_import_error_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert 'pip install "fullbatch[hf]"' in out.stdout, out.stderr
+
+
+def test_check_trainer_tolerance(tmp_path: Any, rows: list[Any]) -> None:
+    """float32: within the default 1e-5, not within a float64 tolerance given as ``rtol``."""
+    trainer = _trainer(tmp_path, llama(torch.float32), "causal_lm", exact="causal_lm")
+    default = fbhf.check_trainer(trainer, rows)
+    assert default.passed and default.tolerance == 1e-5 and default.dtype == "float32"
+    strict = fbhf.check_trainer(trainer, rows, rtol=F64_TOL)
+    assert not strict.passed and strict.accumulated.global_rel_error > F64_TOL
