@@ -1,0 +1,307 @@
+"""Exact gradient accumulation for the Hugging Face ``Trainer``, whatever the head does.
+
+The stock ``Trainer(gradient_accumulation_steps=K)`` is exact only when the model's forward
+consumes ``num_items_in_batch``. Many heads accept ``**kwargs`` and drop it (BERT's masked-LM and
+sequence-classification heads take a plain per-micro-batch mean), and the Trainer then believes
+the loss is already scaled: the step gets roughly ``K`` times the full-batch gradient, with
+micro-batches weighted equally instead of by their item counts. :class:`ExactTrainer` owns the
+loss instead:
+
+- it computes the loss *sum* and the item count of every micro-batch from the logits and the
+  labels (the head's own loss is not computed: ``labels`` are withheld from the model);
+- it backpropagates ``c · loss_sum``, with ``c`` one number identical on every rank (``1 / N``
+  of the previous window), and after the window's last backward (gradients already summed over
+  micro-batches and averaged over DDP ranks) multiplies the gradients by ``W / (c · N)``, where
+  ``N`` is the window's item count over all micro-batches and all ranks (one small all-reduce)
+  and ``W`` the number of DDP ranks. Clipping, ``on_pre_optimizer_step`` callbacks and the
+  optimizer therefore see the full-batch gradient;
+- the partial last window of an epoch is normalized by its own count;
+- the logged training loss is the true loss of each window (loss sum over ``N``), averaged over
+  the windows of the logging interval. ``num_items_in_batch``, ``model_accepts_loss_kwargs``
+  and ``average_tokens_across_devices`` play no part.
+
+Loss kinds (``loss=``): ``"causal_lm"`` (next-token, labels aligned with the inputs, shifted
+here; a batch's ``shift_labels`` are used as they are), ``"masked_lm"`` (token targets, no shift:
+masked LM and token classification), ``"classification"`` (one integer label per row), or a
+function ``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
+
+:func:`check_trainer` runs a configured Trainer on copies, one window accumulated against the
+same rows as one full batch, and says whether its accumulation is exact.
+
+>>> import fullbatch.hf
+>>> fullbatch.hf.ExactTrainer.__mro__[1].__name__
+'Trainer'
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
+    ) from exc
+
+from fullbatch._hf_check import TrainerCheck, check_trainer
+from fullbatch._losses import cross_entropy_sum
+
+__all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
+
+LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
+LOSS_KINDS = ("causal_lm", "masked_lm", "classification")
+
+# Trainer/model loss types (transformers' ``model.loss_type``) each built-in kind fits.
+_HEADS = {
+    "causal_lm": {"ForCausalLM"},
+    "masked_lm": {"ForMaskedLM", "ForTokenClassification"},
+    "classification": {
+        "ForSequenceClassification",
+        "ForImageClassification",
+        "ForAudioClassification",
+        "ForVideoClassification",
+    },
+}
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    logits = (
+        outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    )
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"the model's outputs ({type(outputs).__name__}) carry no 'logits'; pass "
+            "loss=fn(outputs, labels) -> (loss_sum, count) to ExactTrainer."
+        )
+    return logits
+
+
+def _kind_loss(kind: str, outputs: Any, labels: torch.Tensor, shifted: bool) -> tuple[Any, Any]:
+    logits = _logits(outputs)
+    if kind == "classification":
+        if labels.dim() != 1 or logits.dim() != 2:
+            raise ValueError(
+                f"loss='classification' needs one label per row (labels [rows], logits [rows, "
+                f"classes]); got labels {tuple(labels.shape)} and logits {tuple(logits.shape)}. "
+                "Token labels: use loss='masked_lm' (no shift) or loss='causal_lm'."
+            )
+        return cross_entropy_sum(logits, labels)
+    if labels.dim() < 2:
+        raise ValueError(
+            f"loss={kind!r} needs token labels [rows, tokens]; got labels of shape "
+            f"{tuple(labels.shape)}. One label per row: use loss='classification'."
+        )
+    return cross_entropy_sum(logits, labels, shift=kind == "causal_lm" and not shifted)
+
+
+class ExactTrainer(Trainer):
+    """A ``transformers.Trainer`` whose accumulated steps equal the full-batch step.
+
+    Use it where you would use ``Trainer``, with the same arguments plus ``loss=``; every
+    ``TrainingArguments`` option that does not change the loss keeps its meaning
+    (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP).
+
+    Args:
+        *args, **kwargs: what ``Trainer`` takes.
+        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, or
+            ``fn(outputs, labels) -> (loss_sum, count)``: the loss *summed* over the
+            micro-batch's items and how many items that is (``fb.cross_entropy_sum``).
+
+    Raises:
+        ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
+            (e.g. ``"masked_lm"`` on a causal LM); settings whose loss scaling this class would
+            silently override (``compute_loss_func``, ``label_smoothing_factor``,
+            DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
+            LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
+            shape does not fit the kind.
+        TypeError: a subclass that overrides ``compute_loss`` (it would not be called).
+
+    Example (tiny classifier; ``check_trainer`` proves the step equals the full batch):
+
+    >>> import torch, tempfile
+    >>> from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+    >>> import fullbatch.hf
+    >>> config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+    ...     num_attention_heads=2, intermediate_size=32, num_labels=3)
+    >>> model = BertForSequenceClassification(config)
+    >>> rows = [{"input_ids": torch.tensor([1, 2 + i % 7]), "labels": torch.tensor(i % 3)}
+    ...     for i in range(8)]
+    >>> args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=2,
+    ...     gradient_accumulation_steps=4, use_cpu=True, report_to=[], save_strategy="no",
+    ...     disable_tqdm=True)
+    >>> trainer = fullbatch.hf.ExactTrainer(model=model, args=args, train_dataset=rows,
+    ...     loss="classification")
+    >>> fullbatch.hf.check_trainer(trainer).passed
+    True
+    """
+
+    def __init__(self, *args: Any, loss: str | LossFn, **kwargs: Any) -> None:
+        if not callable(loss) and loss not in LOSS_KINDS:
+            raise ValueError(
+                f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "
+                "fn(outputs, labels) -> (loss_sum, count)."
+            )
+        if type(self).compute_loss is not Trainer.compute_loss:
+            raise TypeError(
+                f"{type(self).__name__} overrides compute_loss, which ExactTrainer never calls "
+                "for training; move that loss into loss=fn(outputs, labels) -> (loss_sum, count)."
+            )
+        super().__init__(*args, **kwargs)
+        self.fb_loss = loss
+        self._fb_c = 1.0  # identical on every rank: 1 / N of the previous window
+        self._fb_window: list[Any] = []  # the count and loss sum of this window, device tensors
+        self._fb_left = 0  # micro-batches of the current window not yet run
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        args = self.args
+        fights = {
+            "compute_loss_func": "pass it as loss=fn(outputs, labels) -> (loss_sum, count)"
+            if self.compute_loss_func is not None
+            else None,
+            f"label_smoothing_factor={args.label_smoothing_factor}": "write the smoothed loss "
+            "as loss=fn(outputs, labels) -> (loss_sum, count)"
+            if args.label_smoothing_factor
+            else None,
+            f"n_gpu={args.n_gpu} (DataParallel)": "launch one process per GPU (torchrun)"
+            if args.n_gpu > 1
+            else None,
+            "deepspeed": "DeepSpeed scales the loss itself; use DDP" if args.deepspeed else None,
+            "fsdp": "FSDP is not supported by ExactTrainer yet; use DDP" if args.fsdp else None,
+            f"optim={args.optim}": "use another optimizer (LOMO backpropagates itself)"
+            if "lomo" in str(args.optim).lower()
+            else None,
+            "tensor/context/sequence parallelism": "use plain data parallelism"
+            if self.get_tp_size() * self.get_cp_size() * self.get_sp_size() > 1
+            else None,
+        }
+        for setting, fix in fights.items():
+            if fix is not None:
+                raise ValueError(
+                    f"ExactTrainer normalizes the loss itself and cannot be combined with "
+                    f"{setting}: {fix}."
+                )
+        if callable(self.fb_loss):
+            return
+        head = getattr(self.accelerator.unwrap_model(self.model), "loss_type", None)
+        known = set().union(*_HEADS.values())
+        if head in known and head not in _HEADS[self.fb_loss]:
+            fit = next(k for k, heads in _HEADS.items() if head in heads)
+            raise ValueError(
+                f"loss={self.fb_loss!r} does not fit {type(self.model).__name__} (a {head} "
+                f"head); pass loss={fit!r}."
+            )
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], None]:
+        """Read the next window's micro-batches (no counting here: counts come from the loss)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        self._fb_left = len(batches)
+        self._fb_window = []
+        return batches, None
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; after the window's last, normalize gradients.
+
+        Returns the window's loss (sum over count, all ranks) on its last micro-batch and 0 on
+        the others, so the Trainer's logged loss is the mean of true window losses.
+        """
+        if self._fb_left <= 0:
+            raise RuntimeError(
+                "ExactTrainer.training_step ran outside a window: the Trainer's loop reads each "
+                "window with get_batch_samples first. Call trainer.train(), or "
+                "get_batch_samples(...) before the window's training_step calls."
+            )
+        self._fb_left -= 1
+        last = self._fb_left == 0
+        if self.accelerator.sync_gradients != last:
+            raise RuntimeError(
+                f"the Trainer syncs gradients at micro-batch {'not ' if last else ''}ending the "
+                "window ExactTrainer read: the loop and get_batch_samples disagree."
+            )
+        model.train()
+        optimizer: Any = self.optimizer
+        if callable(getattr(optimizer, "train", None)):  # schedule-free optimizers
+            optimizer.train()
+        inputs = dict(self._prepare_inputs(inputs))
+        if "labels" not in inputs:
+            raise ValueError(
+                f"the micro-batch has no 'labels' (keys: {sorted(inputs)}); ExactTrainer "
+                "computes the loss from them. Make the data collator return 'labels', with -100 "
+                "where nothing is predicted."
+            )
+        labels = inputs.pop("labels")
+        shift_labels = inputs.pop("shift_labels", None)
+        with self.compute_loss_context_manager():
+            outputs = model(**inputs)
+            if callable(self.fb_loss):
+                loss_sum, count = self.fb_loss(outputs, labels)
+            elif shift_labels is not None and self.fb_loss == "causal_lm":
+                loss_sum, count = _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
+            else:
+                loss_sum, count = _kind_loss(self.fb_loss, outputs, labels, shifted=False)
+        loss_sum, count = self._validated(loss_sum, count)
+        self.accelerator.backward(loss_sum * self._fb_c)
+        self._fb_window.append(torch.stack([loss_sum.detach().double(), count]))
+        if not last:
+            return torch.zeros((), device=self.args.device)
+        return self._normalize(model)
+
+    def _validated(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
+            raise ValueError(
+                f"the loss must be a 0-dim tensor summed over the micro-batch's items, got "
+                f"{type(loss_sum).__name__} of shape {tuple(getattr(loss_sum, 'shape', ()))}."
+            )
+        count = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device)
+        if count.dim() != 0:
+            raise ValueError(f"the item count must be one number, got shape {tuple(count.shape)}.")
+        if count.device.type == "cpu" and not (math.isfinite(count) and count >= 0):
+            raise ValueError(f"the item count must be finite and >= 0, got {float(count)}.")
+        return loss_sum, count
+
+    def _normalize(self, model: torch.nn.Module) -> torch.Tensor:
+        """Turn the window's summed, pre-scaled gradients into the full-batch gradient."""
+        totals = torch.stack(self._fb_window).sum(0)
+        world = self.accelerator.num_processes
+        if world > 1:
+            if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise RuntimeError(
+                    f"{world} processes but the model is {type(model).__name__}, not "
+                    "DistributedDataParallel: ExactTrainer supports DDP only."
+                )
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        loss_sum, count = (float(v) for v in totals.cpu())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if count == 0:
+            warnings.warn(
+                "ExactTrainer: a window holds no counted items (every label is -100); its "
+                "gradients are dropped, so the optimizer updates no parameter.",
+                stacklevel=2,
+            )
+            for p in model.parameters():
+                p.grad = None
+            return torch.full((), math.nan, device=self.args.device)
+        # DDP averaged over `world` ranks; accelerate divided by its own accumulation steps.
+        divided = world if isinstance(model, torch.nn.parallel.DistributedDataParallel) else 1
+        scale = divided * self.accelerator.gradient_accumulation_steps / (self._fb_c * count)
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        self._fb_c = 1.0 / count
+        return torch.tensor(loss_sum / count, device=self.args.device)
