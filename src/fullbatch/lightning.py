@@ -9,7 +9,7 @@ the *summed* loss and its item count, and the callback rescales the accumulated 
 per window, in ``on_before_optimizer_step``, which Lightning calls after the GradScaler's
 unscale and before gradient clipping.
 
-Example (the full, runnable version is in ``docs/integrations_lightning.md``)::
+Example (the full, runnable version is in ``docs/integrations.md``)::
 
     class LM(pl.LightningModule):
         def training_step(self, batch, batch_idx):
