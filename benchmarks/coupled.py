@@ -274,6 +274,14 @@ def main() -> None:
             f"{name:40s} {t:9.3f} {t / base:6.2f}x {c:7.3f} {c / base_cpu:6.2f}x "
             f"{statistics.median(peaks[name]):9.1f} {max(errors[name]):11.2e}"
         )
+    st = "(d) sentence-transformers cached MNRL"
+    if st in runs:
+        ours = "(b) fullbatch run_coupled"
+        ratio = [b / d for b, d in zip(times[ours], times[st], strict=True)]
+        print(
+            f"(b) / (d), window by window: median {statistics.median(ratio):.3f}, "
+            f"range {min(ratio):.3f}-{max(ratio):.3f}"
+        )
 
 
 if __name__ == "__main__":
