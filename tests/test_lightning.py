@@ -270,9 +270,18 @@ def test_callback_leaves_the_module_class_untouched(tmp_path: Path) -> None:
     assert "training_step" not in vars(module)  # the instance attribute is gone after fit
 
 
-def test_import_fullbatch_does_not_import_lightning() -> None:
-    code = "import sys, fullbatch; fullbatch.Accumulator; assert 'lightning' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+def test_import_fullbatch_does_not_import_the_frameworks() -> None:
+    code = (
+        "import sys, fullbatch; fullbatch.Accumulator; fullbatch.verify\n"
+        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')\n"
+        "found = sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
+        "print(found)\n"
+        "assert not found, found"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=60, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_two_callbacks_are_refused(tmp_path: Path) -> None:
