@@ -245,6 +245,20 @@ def test_a_bad_count_raises(tmp_path: Path, count: Any) -> None:
     _fit_raises(tmp_path, module, "negative or not finite|finite number >= 0")
 
 
+def test_k_changed_inside_a_window_raises(tmp_path: Path) -> None:
+    """K set from 4 to 2 at the window's second micro-batch: the first was divided by 4."""
+
+    class ChangeK(cases.pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 0 and args[-1] == 1:
+                trainer.accumulate_grad_batches = 2
+
+    batches, _ = _data(SIZES[:4])
+    module = LM(tiny_lm(0))
+    with pytest.raises(RuntimeError, match=r"accumulate_grad_batches changed inside a window"):
+        fit(module, batches, k=K, root=str(tmp_path), callbacks=[ChangeK()])
+
+
 def test_manual_optimization_is_refused(tmp_path: Path) -> None:
     class Manual(LM):
         def __init__(self) -> None:
