@@ -1,6 +1,7 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: make (or reuse) the virtual environment and
 # install fullbatch into it. torch==2.13.0 goes first and explicitly: a bare `torch`
-# requirement would pull a multi-GB CUDA build on a machine that has no torch yet.
+# requirement would pull a multi-GB CUDA build on a machine that has no torch yet. The
+# frameworks and linters are held at the versions in scripts/constraints.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${FULLBATCH_VENV:-.venv}"
@@ -10,4 +11,4 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[$1]"
+"$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[$1]"
