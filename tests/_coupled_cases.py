@@ -87,12 +87,19 @@ def rank_rows(rank: int, layout: list[int], seed: int) -> dict[str, torch.Tensor
 
 
 def ddp_coupled(
-    rank: int, world: int, layout: list[int], micro_batch_size: int, windows: int
+    rank: int,
+    world: int,
+    layout: list[int],
+    micro_batch_size: int,
+    windows: int,
+    ddp_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``windows`` windows under DDP with run_coupled; final-gradient and comm counts."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    model = nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=0.0005)
+    model = nn.parallel.DistributedDataParallel(
+        make_model(), bucket_cap_mb=0.0005, **(ddp_options or {})
+    )
     calls = {"grad": 0}
 
     def counting(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)

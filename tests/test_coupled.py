@@ -392,6 +392,26 @@ def test_encode_with_different_shapes_in_pass_two_raises() -> None:
 # -- DDP on 2 gloo ranks -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("options", [{"static_graph": True}, {"find_unused_parameters": True}])
+def test_ddp_options_keep_the_full_batch(options: dict) -> None:
+    """static_graph (its first window encodes micro-batch 0 twice, later ones keep its graph)
+    and find_unused_parameters: every window equals the full batch on both ranks."""
+    layout, windows = [7, 5], 3
+    ranks = values(run_ranks(cases.ddp_coupled, 2, layout, 3, windows, options))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for w in range(windows):
+        want = reference_grads(model, pairs(sum(layout), w))
+        for r in ranks:
+            assert rel(r["grads"][w], want) < 1e-10, (w, rel(r["grads"][w], want))
+        for p, g in zip(model.parameters(), want, strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if "find_unused_parameters" in options:
+        assert all(r["syncs"] == windows * r["buckets"] for r in ranks)
+
+
 @pytest.mark.parametrize(("layout", "size"), [([7, 5], 3), ([4, 9], 1), ([8, 8], 8)])
 def test_ddp_equals_the_full_batch_with_one_sync_per_window(layout: list[int], size: int) -> None:
     windows = 2
