@@ -197,6 +197,21 @@ def test_window_with_zero_items_is_skipped_with_a_warning(tmp_path: Path) -> Non
     assert max_diff(rec.params[1:], rec.params[:1]) == 0.0  # the second step changed nothing
 
 
+def test_skipped_window_leaves_the_step_scheduler_where_it_was(tmp_path: Path) -> None:
+    """StepLR (gamma 0.5 per step): window 3 steps with the LR window 2 would have used."""
+    batches, windows = _data(SIZES[:8] + SIZES[:4])
+    for b in batches[4:8]:  # the second window has no target at all
+        b["labels"].fill_(-100)
+    ref = reference(tiny_lm(0).double(), [windows[0], windows[2]], gamma=0.5)
+    with pytest.warns(RuntimeWarning, match="skipped window 2"):
+        rec = fit(LM(tiny_lm(0), scheduler=True), batches, k=K, root=str(tmp_path))
+    assert len(rec.params) == 3
+    assert max_diff(rec.params[:1], ref[:1]) < 1e-12
+    assert max_diff(rec.params[1:2], rec.params[:1]) == 0.0
+    # lr 0.05 at window 3, as if window 2 never existed (0.025 had the scheduler stepped)
+    assert max_diff(rec.params[2:], ref[1:]) < 1e-12
+
+
 def test_micro_batch_with_zero_items_counts_nothing(tmp_path: Path) -> None:
     rows = cases.make_rows(9, seed=3)
     rows[4:6] = [torch.tensor([5]), torch.tensor([7])]  # 1-token rows: nothing to predict

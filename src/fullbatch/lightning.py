@@ -98,7 +98,9 @@ class ExactAccumulation(pl.Callback):
 
     Warns (``RuntimeWarning``) and leaves parameters and optimizer state unchanged (every
     gradient set to ``None``) when a window counts zero items or its loss is not finite;
-    Lightning still steps the LR scheduler for that window.
+    the step-interval LR schedulers Lightning steps after it are restored (learning rates
+    included), so a skipped window leaves the schedule where it was, as ``fb.Accumulator``
+    does. Epoch-interval schedulers are Lightning's.
 
     Example:
         >>> from fullbatch.lightning import ExactAccumulation
@@ -117,6 +119,10 @@ class ExactAccumulation(pl.Callback):
         self.steps = 0  # windows that reached the optimizer (skipped ones included)
         self.skipped_windows = 0
         self._pending: list[_Micro] = []
+        # a skipped window's scheduler states and param-group values, restored after
+        # Lightning's scheduler step (on_train_batch_end)
+        self._schedules: list[tuple[Any, dict[str, Any]]] = []
+        self._hyper: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self._recorded = False  # this batch's training_step output was recorded
         self._module: pl.LightningModule | None = None
 
@@ -243,6 +249,16 @@ class ExactAccumulation(pl.Callback):
     ) -> None:
         self._recorded = False
 
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
+    ) -> None:
+        # Undo the scheduler step Lightning took after a skipped window.
+        for scheduler, state in self._schedules:
+            scheduler.load_state_dict(state)
+        for group, values in self._hyper:
+            group.update(values)
+        self._schedules, self._hyper = [], []
+
     def on_before_zero_grad(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
@@ -310,10 +326,21 @@ class ExactAccumulation(pl.Callback):
             reason = "zero counted items" if total_count == 0 else f"non-finite loss {total_loss}"
             for p in params:
                 p.grad = None  # torch optimizers leave parameters without a gradient alone
+            # Lightning steps step-interval schedulers after this window regardless: keep
+            # their state and the learning rates they set, restored at on_train_batch_end.
+            self._schedules = [
+                (config.scheduler, config.scheduler.state_dict())
+                for config in trainer.lr_scheduler_configs
+                if config.interval == "step"
+            ]
+            self._hyper = [
+                (group, {k: v for k, v in group.items() if k != "params"})
+                for group in optimizer.param_groups
+            ]
             warnings.warn(
-                f"ExactAccumulation skipped window {self.steps} ({reason}): parameters and "
-                f"optimizer state unchanged ({self.skipped_windows} skipped so far; "
-                "Lightning still steps the LR scheduler).",
+                f"ExactAccumulation skipped window {self.steps} ({reason}): parameters, "
+                f"optimizer state and step-interval LR schedulers unchanged "
+                f"({self.skipped_windows} skipped so far).",
                 RuntimeWarning,
                 stacklevel=2,
             )
