@@ -26,6 +26,7 @@ from _hf_cases import (
     bert,
     ddp_rank,
     llama,
+    rel,
     run,
     step_errors,
     text_rows,
@@ -145,6 +146,27 @@ def test_window_without_counted_items_updates_nothing(rows: list[Any]) -> None:
     assert len(got["steps"]) == 1
     for name, value in got["steps"][0].items():
         assert torch.equal(value, start[name]), name
+
+
+def test_window_without_counted_items_leaves_the_schedule(rows: list[Any]) -> None:
+    """Linear decay over 2 steps; window 1 counts nothing, so window 2 steps with lr(0) = 0.1,
+    as a run over window 2 alone does (lr(1) = 0.05 had the scheduler moved)."""
+    with pytest.warns(UserWarning, match="no counted items"):
+        got = run(
+            llama,
+            rows[:16],
+            "first_two_ignored",
+            k=2,
+            batch=4,
+            exact="causal_lm",
+            lr_scheduler_type="linear",
+        )
+    alone = run(
+        llama, rows[8:16], "causal_lm", k=2, batch=4, exact="causal_lm", lr_scheduler_type="linear"
+    )
+    assert len(got["steps"]) == 2 and len(alone["steps"]) == 1
+    assert got["trainer"].lr_scheduler.last_epoch == 1  # one real step
+    assert rel(got["steps"][1], alone["steps"][0]) < 1e-12
 
 
 def _trainer(tmp_path: Any, model: Any, kind: str, k: int = 4, **kw: Any) -> Any:

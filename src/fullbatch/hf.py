@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
@@ -159,6 +159,8 @@ class ExactTrainer(Trainer):
         self._fb_c = 1.0  # identical on every rank: 1 / N of the previous window
         self._fb_window: list[Any] = []  # the count and loss sum of this window, device tensors
         self._fb_left = 0  # micro-batches of the current window not yet run
+        self._fb_schedule: tuple[Any, list[Any]] | None = None  # see _KeepSchedule
+        self.add_callback(_KeepSchedule(self))
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -292,11 +294,20 @@ class ExactTrainer(Trainer):
         if count == 0:
             warnings.warn(
                 "ExactTrainer: a window holds no counted items (every label is -100); its "
-                "gradients are dropped, so the optimizer updates no parameter.",
+                "gradients are dropped, so the optimizer updates no parameter, and the LR "
+                "scheduler is left where it was.",
                 stacklevel=2,
             )
             for p in model.parameters():
                 p.grad = None
+            # The Trainer steps the LR scheduler after this window anyway; keep its state and
+            # the learning rates, restored at on_step_end (_KeepSchedule).
+            scheduler, optimizer = self.lr_scheduler, self.optimizer
+            groups = [] if optimizer is None else optimizer.param_groups
+            self._fb_schedule = (
+                None if scheduler is None else scheduler.state_dict(),
+                [(group, {k: v for k, v in group.items() if k != "params"}) for group in groups],
+            )
             return torch.full((), math.nan, device=self.args.device)
         # DDP averaged over `world` ranks; accelerate divided by its own accumulation steps.
         divided = world if isinstance(model, torch.nn.parallel.DistributedDataParallel) else 1
@@ -305,3 +316,24 @@ class ExactTrainer(Trainer):
             torch._foreach_mul_(grads, scale)
         self._fb_c = 1.0 / count
         return torch.tensor(loss_sum / count, device=self.args.device)
+
+
+class _KeepSchedule(TrainerCallback):
+    """Undo the Trainer's LR-scheduler step after a window with no counted items.
+
+    The Trainer steps the scheduler after every optimizer step; on a window that changed no
+    parameter, fullbatch keeps the schedule where it was (as ``fb.Accumulator`` does).
+    """
+
+    def __init__(self, trainer: ExactTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        saved, self.trainer._fb_schedule = self.trainer._fb_schedule, None
+        if saved is None:
+            return
+        schedule, groups = saved
+        if schedule is not None and self.trainer.lr_scheduler is not None:
+            self.trainer.lr_scheduler.load_state_dict(schedule)
+        for group, values in groups:
+            group.update(values)
