@@ -51,6 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from fullbatch._hf_check import TrainerCheck, check_trainer
 from fullbatch._losses import cross_entropy_sum
+from fullbatch._normalize import check_count
+from fullbatch._schedule import KeptSchedule
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
@@ -159,7 +161,7 @@ class ExactTrainer(Trainer):
         self._fb_c = 1.0  # identical on every rank: 1 / N of the previous window
         self._fb_window: list[Any] = []  # the count and loss sum of this window, device tensors
         self._fb_left = 0  # micro-batches of the current window not yet run
-        self._fb_schedule: tuple[Any, list[Any]] | None = None  # see _KeepSchedule
+        self._fb_schedule: KeptSchedule | None = None  # see _KeepSchedule
         self.add_callback(_KeepSchedule(self))
         self._check_settings()
 
@@ -271,12 +273,8 @@ class ExactTrainer(Trainer):
                 f"the loss must be a 0-dim tensor summed over the micro-batch's items, got "
                 f"{type(loss_sum).__name__} of shape {tuple(getattr(loss_sum, 'shape', ()))}."
             )
-        count = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device)
-        if count.dim() != 0:
-            raise ValueError(f"the item count must be one number, got shape {tuple(count.shape)}.")
-        if count.device.type == "cpu" and not (math.isfinite(count) and count >= 0):
-            raise ValueError(f"the item count must be finite and >= 0, got {float(count)}.")
-        return loss_sum, count
+        checked = check_count(count)  # a tensor on an accelerator is returned unchecked
+        return loss_sum, torch.as_tensor(checked, dtype=torch.float64, device=loss_sum.device)
 
     def _normalize(self, model: torch.nn.Module) -> torch.Tensor:
         """Turn the window's summed, pre-scaled gradients into the full-batch gradient."""
@@ -302,11 +300,9 @@ class ExactTrainer(Trainer):
                 p.grad = None
             # The Trainer steps the LR scheduler after this window anyway; keep its state and
             # the learning rates, restored at on_step_end (_KeepSchedule).
-            scheduler, optimizer = self.lr_scheduler, self.optimizer
-            groups = [] if optimizer is None else optimizer.param_groups
-            self._fb_schedule = (
-                None if scheduler is None else scheduler.state_dict(),
-                [(group, {k: v for k, v in group.items() if k != "params"}) for group in groups],
+            optimizer = self.optimizer
+            self._fb_schedule = KeptSchedule(
+                [self.lr_scheduler], [] if optimizer is None else optimizer.param_groups
             )
             return torch.full((), math.nan, device=self.args.device)
         # DDP averaged over `world` ranks; accelerate divided by its own accumulation steps.
@@ -329,11 +325,6 @@ class _KeepSchedule(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        saved, self.trainer._fb_schedule = self.trainer._fb_schedule, None
-        if saved is None:
-            return
-        schedule, groups = saved
-        if schedule is not None and self.trainer.lr_scheduler is not None:
-            self.trainer.lr_scheduler.load_state_dict(schedule)
-        for group, values in groups:
-            group.update(values)
+        kept, self.trainer._fb_schedule = self.trainer._fb_schedule, None
+        if kept is not None:
+            kept.restore()

@@ -46,6 +46,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
             'package); install it with: pip install "fullbatch[lightning]"'
         ) from exc
 
+from fullbatch._normalize import check_count
+from fullbatch._schedule import KeptSchedule
+
 __all__ = ["ExactAccumulation"]
 
 _RETURN_HINT = (
@@ -121,8 +124,7 @@ class ExactAccumulation(pl.Callback):
         self._pending: list[_Micro] = []
         # a skipped window's scheduler states and param-group values, restored after
         # Lightning's scheduler step (on_train_batch_end)
-        self._schedules: list[tuple[Any, dict[str, Any]]] = []
-        self._hyper: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._kept: KeptSchedule | None = None
         self._recorded = False  # this batch's training_step output was recorded
         self._module: pl.LightningModule | None = None
 
@@ -223,18 +225,17 @@ class ExactAccumulation(pl.Callback):
                 f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
             )
         if isinstance(count, torch.Tensor):
+            # Values are checked at the window's step on every rank: raising here on one
+            # rank would leave the others waiting in the count all-reduce.
             if count.numel() != 1:
                 raise ValueError(
                     f'"count" must be one number, got a tensor of shape {tuple(count.shape)}'
                 )
-        elif isinstance(count, bool) or not isinstance(count, (int, float)):
-            raise ValueError(
-                f'"count" must be a number or a 0-dim tensor, got {type(count).__name__}'
-            )
-        elif not (math.isfinite(count) and count >= 0):  # plain numbers: check now, no sync
-            raise ValueError(
-                f'"count" must be a finite number >= 0, got {count!r}. ' + _RETURN_HINT
-            )
+        else:
+            try:
+                check_count(count)  # plain numbers: now, no collective involved
+            except ValueError as exc:
+                raise ValueError(f'training_step\'s "count": {exc}') from None
         n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
         divisor = trainer.accumulate_grad_batches  # what Lightning divides this loss by, next
         self._pending.append(_Micro(loss.detach().to(torch.float64), n, divisor))
@@ -253,11 +254,9 @@ class ExactAccumulation(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
     ) -> None:
         # Undo the scheduler step Lightning took after a skipped window.
-        for scheduler, state in self._schedules:
-            scheduler.load_state_dict(state)
-        for group, values in self._hyper:
-            group.update(values)
-        self._schedules, self._hyper = [], []
+        if self._kept is not None:
+            self._kept.restore()
+            self._kept = None
 
     def on_before_zero_grad(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -328,15 +327,10 @@ class ExactAccumulation(pl.Callback):
                 p.grad = None  # torch optimizers leave parameters without a gradient alone
             # Lightning steps step-interval schedulers after this window regardless: keep
             # their state and the learning rates they set, restored at on_train_batch_end.
-            self._schedules = [
-                (config.scheduler, config.scheduler.state_dict())
-                for config in trainer.lr_scheduler_configs
-                if config.interval == "step"
-            ]
-            self._hyper = [
-                (group, {k: v for k, v in group.items() if k != "params"})
-                for group in optimizer.param_groups
-            ]
+            self._kept = KeptSchedule(
+                (c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"),
+                optimizer.param_groups,
+            )
             warnings.warn(
                 f"ExactAccumulation skipped window {self.steps} ({reason}): parameters, "
                 f"optimizer state and step-interval LR schedulers unchanged "
