@@ -42,6 +42,7 @@ from split import Memory  # the same peak-memory measurement as benchmarks/split
 from torch import nn
 
 import fullbatch as fb
+from fullbatch._demo._arms import relative_error
 from fullbatch._demo._corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, source_files, stdlib_root
 
 ROWS, MICRO, Q_LEN, D_LEN, SCALE = 256, 32, 48, 96, 20.0
@@ -156,12 +157,6 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def rel_norm(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    pairs = zip(got, want, strict=True)
-    diff = sum(float((g.double() - w.double()).square().sum()) for g, w in pairs)
-    return (diff / sum(float(w.double().square().sum()) for w in want)) ** 0.5
-
-
 def arms(model: Encoder) -> dict[str, Callable[[dict[str, Batch]], list[torch.Tensor]]]:
     """Each arm: window -> the gradient its optimizer step would use."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -257,7 +252,7 @@ def main() -> None:
             times[name].append(elapsed)
             cpu[name].append(elapsed_cpu)
             peaks[name].append(memory.peak())
-            errors[name].append(rel_norm(grads, reference))
+            errors[name].append(relative_error(grads, reference))
     base = statistics.median(times["(a) full batch, one pass"])
     base_cpu = statistics.median(cpu["(a) full batch, one pass"])
     print(

@@ -25,13 +25,14 @@ error is the one reported (Accelerate's ``sync_with_dataloader`` steps it, still
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 import fullbatch as fb
+from fullbatch._demo._arms import relative_error
 from fullbatch._demo._corpus import make_batches, read_corpus
 from fullbatch._demo._model import tiny_llama
 
@@ -46,13 +47,6 @@ def fresh_accelerator(**kwargs: Any) -> Any:
     AcceleratorState._reset_state(True)  # Accelerate's state is a process-wide singleton
     GradientState._reset_state()
     return Accelerator(cpu=True, **kwargs)
-
-
-def rel_l2(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
-    pairs = zip(got, want, strict=True)
-    num = sum(float((g.double() - w.double()).square().sum()) for g, w in pairs)
-    den = sum(float(w.double().square().sum()) for w in want)
-    return (num / den) ** 0.5
 
 
 class Recorder:
@@ -134,7 +128,7 @@ def measure(rows: int) -> dict[str, tuple[float, float]]:
         rec, params = run(how, start, micros, wholes)
         assert len(rec.steps) == len(wholes), (how, len(rec.steps))
         before, grads = rec.steps[which]
-        err = rel_l2(grads, full_batch_grad(start, before, wholes[which]))
+        err = relative_error(grads, full_batch_grad(start, before, wholes[which]))
         diff = max(float((p - q).abs().max()) for p, q in zip(params, full_params, strict=True))
         out[how] = (err, diff)
     return out

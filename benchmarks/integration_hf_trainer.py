@@ -35,6 +35,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from fullbatch._demo._arms import relative_error
 from fullbatch._demo._corpus import PAD_ID, VOCAB_SIZE, make_batches, read_corpus
 from fullbatch._demo._model import tiny_llama
 from fullbatch.hf import ExactTrainer
@@ -130,9 +131,7 @@ def train(
 
 
 def grad_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    diff = sum(float((got[n].double() - ref[n].double()).pow(2).sum()) for n in ref)
-    norm = sum(float(ref[n].double().pow(2).sum()) for n in ref)
-    return (diff / norm) ** 0.5
+    return relative_error([got[n] for n in ref], list(ref.values()))
 
 
 def param_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import fullbatch as fb
+from fullbatch._demo._arms import relative_error
 from fullbatch._demo._corpus import make_batches, read_corpus
 from fullbatch._demo._model import tiny_llama
 
@@ -179,12 +180,6 @@ def run_ddp(micro: list[Batch], style: str) -> Capture:
     return cap
 
 
-def rel_err(g: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(g, ref, strict=True))
-    den = sum(float(b.double().pow(2).sum()) for b in ref)
-    return (num / den) ** 0.5
-
-
 def max_param_diff(a: Capture, b: Capture) -> float:
     pairs = zip(a.params, b.params, strict=True)  # type: ignore[attr-defined]
     return max(float((x - y).abs().max()) for x, y in pairs)
@@ -218,8 +213,8 @@ def main() -> None:
             own = run(micro_batches, k=4, epochs=epochs, style="mean", exact=False)
             exact = run(micro_batches, k=4, epochs=epochs, style="sum", exact=True)
         print(
-            f"| {name} | {rel_err(own.grads[0], ref.grads[0]):.2e} "
-            f"| {rel_err(exact.grads[0], ref.grads[0]):.2e} "
+            f"| {name} | {relative_error(own.grads[0], ref.grads[0]):.2e} "
+            f"| {relative_error(exact.grads[0], ref.grads[0]):.2e} "
             f"| {max_param_diff(own, ref):.2e} | {max_param_diff(exact, ref):.2e} |"
         )
 
