@@ -45,7 +45,6 @@ class Prepared:
     """
 
     def __init__(self, optimizer: Any, scheduler: Any, scaler: Any) -> None:
-        self.optimizer = optimizer
         self.gradient_state: Any = None
         wrapper_scaler = None
         while _accelerate(optimizer, "AcceleratedOptimizer"):
