@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fullbatch._accumulator import Accumulator
     from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
     from fullbatch._lr import scale_lr
+    from fullbatch._rows import row_windows
     from fullbatch._stats import StepStats
     from fullbatch._verify import VerifyReport, verify
     from fullbatch._window import Window
@@ -35,6 +36,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "row_windows",
     "scale_lr",
     "testing",
     "verify",
@@ -49,6 +51,7 @@ _LAZY = {
     "causal_lm_loss": "fullbatch._losses",
     "count_tokens": "fullbatch._losses",
     "cross_entropy_sum": "fullbatch._losses",
+    "row_windows": "fullbatch._rows",
     "scale_lr": "fullbatch._lr",
     "testing": "fullbatch.testing",
     "verify": "fullbatch._verify",
