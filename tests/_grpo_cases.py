@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -146,9 +147,20 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def objective(trainer: Any, model: Any, micros: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """The loss type's objective over all the sequences of ``micros`` (one optimizer step)."""
+def settings(trainer: Any) -> dict[str, Any]:
+    """What the objective needs from a trainer's configuration (picklable)."""
     args = trainer.args
+    keys = ("loss_type", "beta", "use_bias_correction_kl", "epsilon_high", "entropy_coef")
+    keys += ("sapo_temperature_pos", "sapo_temperature_neg", "max_completion_length")
+    out = {key: getattr(args, key) for key in keys}
+    out["epsilon_low"] = args.epsilon
+    out["epsilon_high"] = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    return out
+
+
+def objective(config: dict[str, Any], model: Any, micros: list[dict[str, Any]]) -> torch.Tensor:
+    """The loss type's objective over all the sequences of ``micros`` (one optimizer step)."""
+    args = SimpleNamespace(**config)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "ent", "old", "ref", "m")}
     advantages = []
     for micro in micros:
@@ -170,7 +182,7 @@ def objective(trainer: Any, model: Any, micros: list[dict[str, torch.Tensor]]) -
         tau = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
         loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     else:
-        low, high = trainer.epsilon_low, trainer.epsilon_high
+        low, high = args.epsilon_low, args.epsilon_high
         loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - low, 1 + high) * adv)
     if args.beta:
         kl = torch.exp(ref - lp) - (ref - lp) - 1
@@ -186,21 +198,65 @@ def objective(trainer: Any, model: Any, micros: list[dict[str, torch.Tensor]]) -
     return total - args.entropy_coef * (ent * m).sum() / tokens
 
 
-def reference_grads(trainer: Any, step: dict[str, Any]) -> dict[str, torch.Tensor]:
+def reference(config: dict[str, Any], step: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The window objective's gradient and value at the step's parameters."""
     # a fresh model: a deepcopy of the trained one would keep forward methods bound to it
     model = policy()
     model.load_state_dict(step["params"])
-    model.train(trainer.model.training)
-    objective(trainer, model, step["micro"]).backward()
-    return {k: v.grad for k, v in model.named_parameters()}
+    value = objective(config, model, step["micro"])
+    value.backward()
+    return {k: v.grad for k, v in model.named_parameters()}, float(value.detach())
 
 
-def step_errors(trainer: Any) -> list[float]:
+def window_entropy(step: dict[str, Any]) -> float:
+    """The token mean of the entropy over the step's sequences, at its parameters."""
+    model = policy()
+    model.load_state_dict(step["params"])
+    with torch.no_grad():
+        total = count = 0.0
+        for micro in step["micro"]:
+            ent = _token_terms(model, micro)[1]
+            total += float((ent * micro["completion_mask"]).sum())
+            count += float(micro["completion_mask"].sum())
+    return total / max(count, 1.0)
+
+
+def step_errors(config: dict[str, Any], steps: list[dict[str, Any]]) -> list[float]:
     """Relative L2 error of each optimizer step's gradient against the window's objective."""
     errors = []
-    for step in trainer._recorder.steps:
-        ref = reference_grads(trainer, step)
+    for step in steps:
+        ref = reference(config, step)[0]
         num = sum(((step["grads"][k] - ref[k]) ** 2).sum() for k in ref)
         den = sum((ref[k] ** 2).sum() for k in ref)
         errors.append(float((num / den).sqrt()))
     return errors
+
+
+def ddp_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One gloo rank (the group is initialized already, tests/_dist.py): each case trained
+    with ExactGRPOTrainer and with stock GRPOTrainer; the recorded steps come back."""
+    import os
+
+    from trl import GRPOTrainer
+
+    from fullbatch.trl import ExactGRPOTrainer
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # never used: accelerate finds the process group initialized
+        OMP_NUM_THREADS="1",
+    )
+    out = []
+    for case in cases:
+        result = {}
+        for cls in (ExactGRPOTrainer, GRPOTrainer):
+            trainer = run(cls, **case)
+            assert trainer.accelerator.num_processes == world
+            assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+            result[cls.__name__] = {"steps": trainer._recorder.steps, "config": settings(trainer)}
+        out.append(result)
+    return out

@@ -132,6 +132,9 @@ class ExactGRPOTrainer(GRPOTrainer):
         self._fb_scales: tuple[float, float] | None = None
         self._fb_captured: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
+    def _training(self) -> bool:
+        return bool(getattr(self.model, "training", False))
+
     # -- the window, read ahead ---------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
@@ -139,7 +142,8 @@ class ExactGRPOTrainer(GRPOTrainer):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         # TRL's _prepare_inputs takes its training branch only in train mode (after an
         # evaluation the model is still in eval mode here; training_step sets train anyway).
-        self.model.train()
+        if self.model is not None:
+            self.model.train()
         first, prepared = self._step, []
         try:
             for j, item in enumerate(batch_samples):
@@ -168,7 +172,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         return GRPOWindow(rows, tokens, both[:k], both[k:], generation, world=world)
 
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
-        if not self.model.training:
+        if not self._training():
             return super()._prepare_inputs(generation_batch)
         if not self._fb_queue:
             raise RuntimeError(
@@ -197,15 +201,16 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         window = self._fb_window
-        if not self.model.training or window is None:
+        if not self._training() or window is None:
             return super()._compute_loss(model, inputs)
         j = self._fb_position
-        policy, entropy = window.scales(j, self.loss_type, self.args.steps_per_generation)
+        config: Any = self.args
+        policy, entropy = window.scales(j, self.loss_type, config.steps_per_generation)
         # the entropy coefficient this micro-batch applies (TRL updates it at the window's end)
         coef = 0.0
         if self._entropy_bonus_enabled:
             coef = self.entropy_coef
-            if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            if self.use_adaptive_entropy and self._last_world_entropy > config.entropy_target:
                 coef = 0.0
         metrics = self._metrics["train"]
         before = {key: len(values) for key, values in metrics.items()}
