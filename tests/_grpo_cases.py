@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    TrainerCallback,
+)
 
 VOCAB = ["<pad>", "<eos>", *"abcdefghij"]
 PROMPTS = ["ab", "cde", "f", "ghij", "aa", "bcb", "jj", "ie", "dd", "hgf", "c", "ejb"]
@@ -32,8 +39,14 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def policy(seed: int = 0) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
+def policy(seed: int = 0, moe: bool = False) -> Any:
+    """A tiny Qwen2 (or, with ``moe``, Qwen2-MoE: 4 experts, 2 per token) in float64."""
+    kind = Qwen2MoeConfig if moe else Qwen2Config
+    extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    extra.update(shared_expert_intermediate_size=16, output_router_logits=False)
+    extra.update(experts_implementation="eager")  # grouped_mm has no float64
+    config = kind(
+        **(extra if moe else {}),
         vocab_size=len(VOCAB),
         hidden_size=16,
         intermediate_size=32,
@@ -46,7 +59,7 @@ def policy(seed: int = 0) -> Qwen2ForCausalLM:
         bos_token_id=1,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).double()
+    model = (Qwen2MoeForCausalLM if moe else Qwen2ForCausalLM)(config).double()
     with torch.no_grad():  # end completions sooner, so that their lengths differ
         model.lm_head.weight[1] += 0.3 * model.lm_head.weight.abs().mean()
     return model
@@ -90,7 +103,9 @@ def recording(trainer_cls: type) -> type:
     return Recording
 
 
-def run(trainer_cls: type, *, max_steps: int = 4, seed: int = 0, **config: Any) -> Any:
+def run(
+    trainer_cls: type, *, max_steps: int = 4, seed: int = 0, moe: bool = False, **config: Any
+) -> Any:
     from trl import GRPOConfig
 
     options: dict[str, Any] = {
@@ -111,7 +126,7 @@ def run(trainer_cls: type, *, max_steps: int = 4, seed: int = 0, **config: Any) 
         "max_steps": max_steps,
     }
     options.update(config)
-    model: Any = policy(seed)
+    model: Any = policy(seed, moe)
     if options.get("beta"):
         # TRL builds the KL reference model from the policy's path: save the policy there
         model.save_pretrained(path := tempfile.mkdtemp())
@@ -136,11 +151,12 @@ def _token_terms(model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tens
     ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
     mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
     width = micro["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].double()
-    logp = logits.log_softmax(-1)
+    moe = {"output_router_logits": True} if hasattr(model.config, "num_experts") else {}
+    outputs = model(input_ids=ids, attention_mask=mask, **moe)
+    logp = outputs.logits[:, -width - 1 : -1].double().log_softmax(-1)
     token_logp = logp.gather(-1, micro["completion_ids"][..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy
+    return token_logp, entropy, getattr(outputs, "aux_loss", None)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -155,6 +171,8 @@ def settings(trainer: Any) -> dict[str, Any]:
     out = {key: getattr(args, key) for key in keys}
     out["epsilon_low"] = args.epsilon
     out["epsilon_high"] = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    out["router"] = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
+    out["moe"] = hasattr(trainer.model.config, "num_experts")
     return out
 
 
@@ -162,9 +180,10 @@ def objective(config: dict[str, Any], model: Any, micros: list[dict[str, Any]]) 
     """The loss type's objective over all the sequences of ``micros`` (one optimizer step)."""
     args = SimpleNamespace(**config)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "ent", "old", "ref", "m")}
-    advantages = []
+    advantages, routers = [], []
     for micro in micros:
-        lp, ent = _token_terms(model, micro)
+        lp, ent, router = _token_terms(model, micro)
+        routers.append(router)
         parts["lp"].append(lp)
         parts["ent"].append(ent)
         parts["old"].append(micro.get("old_per_token_logps", lp.detach()))
@@ -195,13 +214,16 @@ def objective(config: dict[str, Any], model: Any, micros: list[dict[str, Any]]) 
         total = (loss * m).sum() / (sequences * args.max_completion_length)
     else:
         total = (loss * m).sum() / tokens
-    return total - args.entropy_coef * (ent * m).sum() / tokens
+    total = total - args.entropy_coef * (ent * m).sum() / tokens
+    if args.router:  # a statistic of each micro-batch's router load: the micro-batches' mean
+        total = total + args.router * torch.stack(routers).mean()
+    return total
 
 
 def reference(config: dict[str, Any], step: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """The window objective's gradient and value at the step's parameters."""
     # a fresh model: a deepcopy of the trained one would keep forward methods bound to it
-    model = policy()
+    model = policy(moe=config["moe"])
     model.load_state_dict(step["params"])
     value = objective(config, model, step["micro"])
     value.backward()
@@ -210,7 +232,7 @@ def reference(config: dict[str, Any], step: dict[str, Any]) -> tuple[dict[str, A
 
 def window_entropy(step: dict[str, Any]) -> float:
     """The token mean of the entropy over the step's sequences, at its parameters."""
-    model = policy()
+    model = policy(moe="model.layers.0.mlp.gate.weight" in step["params"])
     model.load_state_dict(step["params"])
     with torch.no_grad():
         total = count = 0.0

@@ -236,7 +236,8 @@ class ExactGRPOTrainer(GRPOTrainer):
         stock_policy = value - bonus - router
         # the value: this micro-batch's share of the window objective (gradients are scaled)
         loss = loss + ((policy - 1.0) * stock_policy + (entropy - 1.0) * bonus)
-        window.policy_share += float(policy * stock_policy)
+        if self._entropy_bonus_enabled:  # TRL logs policy_loss only with an entropy bonus
+            window.policy_share += float(policy * stock_policy)
         self._merge_metrics(window, j, metrics, before)
         return loss
 
