@@ -216,3 +216,21 @@ def test_two_gloo_ranks() -> None:
                 assert max(errors) < TOL, (index, errors)
             elif index == 0:
                 assert min(errors) > 1e-2, errors
+
+
+def test_unknown_arguments() -> None:
+    """An argument GRPOTrainer does not take raises TypeError before anything is built."""
+    with pytest.raises(TypeError, match="loss"):
+        ExactGRPOTrainer(model=cases.policy(), reward_funcs=cases.reward, loss="dapo")
+
+
+def test_import_error_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['trl'] = None\n"
+        "try:\n    import fullbatch.trl\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'fullbatch[trl]'" in out.stdout, out.stderr

@@ -34,7 +34,7 @@ import torch
 from fullbatch.trl._grpo_window import SEQUENCE_LOSSES, TOKEN_LOSSES, GRPOWindow
 
 try:
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("fullbatch.trl needs TRL: pip install 'fullbatch[trl]'") from exc
 
@@ -124,7 +124,8 @@ class ExactGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
-        _check_config(config if config is not None else GRPOConfig)
+        if config is not None:  # None: TRL's default GRPOConfig (dapo), which is accepted
+            _check_config(config)
         super().__init__(*args, **kwargs)
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None
