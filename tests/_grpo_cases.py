@@ -243,6 +243,22 @@ def window_entropy(step: dict[str, Any]) -> float:
     return total / max(count, 1.0)
 
 
+def window_kl(config: dict[str, Any], step: dict[str, Any]) -> float:
+    """The token mean of TRL's per-token KL estimate over the step's sequences."""
+    model = policy(moe=config["moe"])
+    model.load_state_dict(step["params"])
+    total = count = 0.0
+    with torch.no_grad():
+        for micro in step["micro"]:
+            lp = _token_terms(model, micro)[0]
+            ref, old = micro["ref_per_token_logps"], micro.get("old_per_token_logps", lp)
+            kl = torch.exp(ref - lp) - (ref - lp) - 1
+            kl = kl * torch.exp(lp - old) if config["use_bias_correction_kl"] else kl
+            total += float((kl * micro["completion_mask"]).sum())
+            count += float(micro["completion_mask"].sum())
+    return total / max(count, 1.0)
+
+
 def step_errors(config: dict[str, Any], steps: list[dict[str, Any]]) -> list[float]:
     """Relative L2 error of each optimizer step's gradient against the window's objective."""
     errors = []
