@@ -272,7 +272,8 @@ def step_errors(config: dict[str, Any], steps: list[dict[str, Any]]) -> list[flo
 
 def ddp_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One gloo rank (the group is initialized already, tests/_dist.py): each case trained
-    with ExactGRPOTrainer and with stock GRPOTrainer; the recorded steps come back."""
+    with ExactGRPOTrainer and (unless ``stock=False``) stock GRPOTrainer; the recorded steps
+    come back."""
     import os
 
     from trl import GRPOTrainer
@@ -291,7 +292,8 @@ def ddp_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[st
     out = []
     for case in cases:
         result = {}
-        for cls in (ExactGRPOTrainer, GRPOTrainer):
+        stock = case.pop("stock", True)
+        for cls in (ExactGRPOTrainer, GRPOTrainer) if stock else (ExactGRPOTrainer,):
             trainer = run(cls, **case)
             assert trainer.accelerator.num_processes == world
             assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
