@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._guards import LoopGuard
 from fullbatch._hooks import WindowHooks
+from fullbatch._mistakes import MistakeChecks, warn_untrained
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
 from fullbatch._precision import make_grad_buffers
@@ -171,6 +172,8 @@ class Accumulator:
         self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
         self._guard = LoopGuard(optimizer, self._prepared.watched_scheduler, self._params)
+        warn_untrained(model, optimizer)
+        self._mistakes = MistakeChecks(optimizer, scheduler=scheduler)
         self._loss_scale: float | None = None
         self._window_hooks = WindowHooks()
         self._closed = False

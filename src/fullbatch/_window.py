@@ -68,6 +68,7 @@ class Window:
         self._device_counts: list[torch.Tensor] = []
         self._seeds: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._by_run = False  # iterated by window.run (needed by micro_batch_size="auto")
+        self._totals_read = False  # a share form that never read totals cannot be divided by it
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class Window:
         micro, self._current_final, self._current_padding = item
         self._current_backwards = 0
         self._yielded += 1
+        self._acc._mistakes.see(micro)
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
         self._acc._sync.begin(self._current_final)
         return micro
@@ -123,6 +125,7 @@ class Window:
                 "window.totals needs counts= on the Accumulator, e.g. "
                 "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
             )
+        self._totals_read = True
         return dict(self._totals)
 
     # -- backward --------------------------------------------------------------------------
@@ -192,6 +195,7 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
+        self._acc._mistakes.before_backward(self, count)  # raises before anything changes
         if loss.dim():
             loss = loss.reshape(())
         if self._current_padding:
