@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullbatch._versions import check_fsdp2_device
+
 __all__ = ["Sync", "make_sync"]
 
 DDP_SYNC_MODES = ("last", "step")
@@ -272,6 +274,7 @@ def make_sync(
     if isinstance(model, DistributedDataParallel):
         sync = _DDPSync(model, ddp_sync, grad_divisor)
     elif isinstance(model, FSDPModule):
+        check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = _FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
