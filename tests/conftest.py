@@ -29,7 +29,7 @@ Batch = dict[str, torch.Tensor]
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """FSDP2 on CPU needs torch >= 2.7 (pytorch#145935): below it, those tests are skipped."""
-    from fullbatch._versions import FSDP2_CPU_TORCH, torch_version
+    from fullbatch._base._versions import FSDP2_CPU_TORCH, torch_version
 
     if torch_version() >= FSDP2_CPU_TORCH:
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullbatch._versions import check_fsdp2_device, torch_version, trainer_parallel_size
+from fullbatch._base._versions import check_fsdp2_device, torch_version, trainer_parallel_size
 
 
 def test_fsdp2_on_cpu_below_torch_2_7_names_the_version_and_the_fix() -> None:

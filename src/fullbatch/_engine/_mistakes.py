@@ -31,17 +31,14 @@ Not checked here, because a loss value has no unit: a mean-reduced loss passed w
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from fullbatch._split import _is_row_list
-
-if TYPE_CHECKING:
-    from fullbatch._window import Window
+from fullbatch._base._split import _is_row_list
+from fullbatch._base._warn import warn
 
 __all__ = ["MistakeChecks", "warn_untrained"]
 
@@ -52,6 +49,7 @@ _LABEL_CHECKS = 2
 def warn_untrained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Warn when some of the model's trainable parameters are not in the optimizer.
 
+    >>> import warnings
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
@@ -65,32 +63,36 @@ def warn_untrained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if not left or len(left) == len(named):  # none, or all: the latter raises elsewhere
         return
     shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
-    warnings.warn(
+    warn(
         f"{len(left)} of the model's {len(named)} trainable parameters ({shown}) are not in "
         "the optimizer: they get gradients but never train. Freeze them "
         "(`p.requires_grad_(False)`) if that is the intent, or build the optimizer from "
-        "model.parameters().",
-        UserWarning,
-        stacklevel=3,
+        "model.parameters()."
     )
 
 
 class MistakeChecks:
-    """Per-Accumulator state of the checks: what was seen, what was already warned."""
+    """Per-Accumulator state of the checks: what was seen, what was already warned.
+
+    The window calls :meth:`see` when it yields a micro-batch, :meth:`totals_read` when
+    ``window.totals`` is read, and :meth:`before_backward` before each backward; an error
+    that method returns is raised by the window after it abandoned itself.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> None:
         self._optimizer = optimizer
         self._watch_lr = scheduler is None  # a given scheduler is watched by LoopGuard
         self._label_checks = _LABEL_CHECKS
         self._micro: Any = None
-        self._lr_window = -1
+        self._lr_window: Any = None  # the window the learning rates were taken in
         self._lrs: list[float] | None = None
+        self._read_in: Any = None  # the last window whose totals were read
         self._warned: set[str] = set()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn(message)
 
     # -- hooks called by the window ----------------------------------------------------------
 
@@ -107,17 +109,25 @@ class MistakeChecks:
                 "which collates rows of equal length.",
             )
 
-    def before_backward(self, window: Window, count: Any) -> None:
-        """Run the checks for one backward call, before it changes anything."""
-        self._check_lr(window)
+    def totals_read(self, window: Any) -> None:
+        self._read_in = window
+
+    def before_backward(self, window: Any, count: Any) -> Exception | None:
+        """Check one backward call before it changes anything: the error to raise, or None.
+
+        ``window`` is the user's Window (its ``index`` and ``is_padding`` are read).
+        """
+        error = self._check_lr(window)
+        if error is not None:
+            return error
         if count is None:
-            if not window._totals_read:
+            if self._read_in is not window:
                 self._warn_once(
                     "share",
                     "window.backward(share) in a window that never read window.totals: the "
                     "share must be the loss sum divided by a window.totals entry (e.g. "
                     "`window.backward(loss_sum / window.totals['tokens'])`), or each "
-                    "micro-batch weighs its own sum (measured: 299% off). Or pass the summed "
+                    "micro-batch weighs its own sum (docs/mistakes.md). Or pass the summed "
                     "loss and its count: window.backward(loss_sum, n).",
                 )
         elif self._label_checks > 0 and not window.is_padding:
@@ -126,33 +136,26 @@ class MistakeChecks:
             if isinstance(micro, Mapping):
                 message = label_mistake(micro, count)
                 if message is not None:
-                    _abandon(window)
-                    raise ValueError(message)
+                    return ValueError(message)
+        return None
 
-    def _check_lr(self, window: Window) -> None:
+    def _check_lr(self, window: Any) -> Exception | None:
         if not self._watch_lr:
-            return
+            return None
         lrs = [float(group.get("lr", 0.0)) for group in self._optimizer.param_groups]
-        if self._lr_window != window.index:
-            self._lr_window, self._lrs = window.index, lrs
-            return
+        if self._lr_window is not window:
+            self._lr_window, self._lrs = window, lrs
+            return None
         if lrs != self._lrs:
-            before = self._lrs
-            _abandon(window)
-            raise RuntimeError(
+            return RuntimeError(
                 f"the learning rate changed between two backward calls of window "
-                f"{window.index} (from {before} to {lrs}): scheduler.step() once per "
+                f"{window.index} (from {self._lrs} to {lrs}): scheduler.step() once per "
                 "micro-batch decays the schedule K times too fast. The window was discarded "
                 "and nothing was stepped. Pass scheduler= to the Accumulator (it steps once "
                 "per optimizer step) and delete your scheduler.step(), or call it after "
                 "window.step()."
             )
-
-
-def _abandon(window: Window) -> None:
-    from fullbatch._run import abandon_locally
-
-    abandon_locally(window)
+        return None
 
 
 def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
@@ -204,12 +207,10 @@ def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
             "labels (input_ids with -100 on padding) to fb.causal_lm_loss."
         )
     if copied and n == unshifted != shifted:
-        warnings.warn(
+        warn(
             f"labels are a copy of input_ids but the count {n:g} includes each row's first "
             f"label, which no position predicts ({shifted:g} after the causal shift; "
             "attention_mask.sum() is not the count). Pass the count fb.causal_lm_loss "
-            "returns: `loss_sum, n = fb.causal_lm_loss(logits, labels)`.",
-            UserWarning,
-            stacklevel=4,
+            "returns: `loss_sum, n = fb.causal_lm_loss(logits, labels)`."
         )
     return None
