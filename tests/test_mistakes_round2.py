@@ -317,3 +317,19 @@ def test_per_row_dicts_with_micro_batches_warn_once() -> None:
                 window.step()
     finally:
         quiet.__exit__(None, None, None)
+
+
+def test_a_tensor_learning_rate_changed_per_micro_batch_raises_too() -> None:
+    model, _, batch = _lm_setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.05), foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with fb.Accumulator(model, opt, micro_batch_size=2) as acc:
+        with pytest.raises(RuntimeError, match=r"learning rate changed between two backward"):
+            for window in acc.windows([batch]):
+                for micro in window:
+                    window.backward(*fb.causal_lm_loss(model(micro["input_ids"]), micro["labels"]))
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        sched.step()
+                window.step()
+    assert not opt.state

@@ -85,7 +85,7 @@ class MistakeChecks:
         self._label_checks = _LABEL_CHECKS
         self._micro: Any = None
         self._lr_window: Any = None  # the window the learning rates were taken in
-        self._lrs: list[float] | None = None
+        self._lrs: list[Any] | None = None
         self._read_in: Any = None  # the last window whose totals were read
         self._warned: set[str] = set()
 
@@ -142,7 +142,7 @@ class MistakeChecks:
     def _check_lr(self, window: Any) -> Exception | None:
         if not self._watch_lr:
             return None
-        lrs = [float(group.get("lr", 0.0)) for group in self._optimizer.param_groups]
+        lrs = [_lr(group.get("lr", 0.0)) for group in self._optimizer.param_groups]
         if self._lr_window is not window:
             self._lr_window, self._lrs = window, lrs
             return None
@@ -156,6 +156,13 @@ class MistakeChecks:
                 "window.step()."
             )
         return None
+
+
+def _lr(value: Any) -> Any:
+    """A comparable learning rate; a tensor one by identity and version (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        return (id(value), value._version)
+    return float(value)
 
 
 def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
