@@ -193,7 +193,7 @@ def main() -> None:
         if fn is mean_with_count:  # a loss value has no unit: verify's additivity check
             report = fb.verify(model, batch, fn, micro_batch_size=MICRO)
             verdict = "PASSED" if report.passed else "FAILED"
-            now += f" `fb.verify`: {verdict}: {(report.diagnosis or [''])[-1][:90]}..."
+            now += f"; `fb.verify`: {verdict}: {(report.diagnosis or [''])[-1][:90]}..."
         rows.append((name, error(accumulated(model, batch, fn), want), now))
 
     counts = {"tokens": lambda m: fb.count_tokens(m["labels"])}
