@@ -333,3 +333,27 @@ def test_a_tensor_learning_rate_changed_per_micro_batch_raises_too() -> None:
                         sched.step()
                 window.step()
     assert not opt.state
+
+
+def test_attention_mask_count_with_masked_prompts_warns() -> None:
+    """Prompt tokens labelled -100: attention_mask.sum() is neither count of the labels."""
+    model, opt, batch = _lm_setup()
+    labels = batch["labels"].clone()
+    labels[:, :2] = IGNORE  # a two-token prompt per row
+
+    def mask_count(model, micro):
+        loss_sum, _ = fb.causal_lm_loss(model(micro["input_ids"]), micro["labels"])
+        return loss_sum, micro["attention_mask"].sum()
+
+    with pytest.warns(UserWarning, match=r"includes each row's first label"):
+        _run_one_window(model, opt, {**batch, "labels": labels}, mask_count)
+
+    def right(model, micro):
+        return fb.causal_lm_loss(model(micro["input_ids"]), micro["labels"])
+
+    model, opt, batch = _lm_setup()
+    quiet = _quiet()
+    try:
+        _run_one_window(model, opt, {**batch, "labels": labels}, right)
+    finally:
+        quiet.__exit__(None, None, None)

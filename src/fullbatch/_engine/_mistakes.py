@@ -187,7 +187,8 @@ def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
         return None
     counted = labels != -100
     unshifted, shifted = float(counted.sum()), float(counted[:, 1:].sum())
-    if n not in (unshifted, shifted):
+    masked = float(mask.sum()) if isinstance(mask, torch.Tensor) else None
+    if n not in (unshifted, shifted, masked):
         return None  # the loss counts something else (another ignore_index, weights, rows)
     if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
         pad = (mask[:, 1:] == 0) & (mask[:, :-1] == 0)
@@ -213,7 +214,7 @@ def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
             "fb.cross_entropy_sum(logits, labels), which does not shift, or pass unshifted "
             "labels (input_ids with -100 on padding) to fb.causal_lm_loss."
         )
-    if copied and n == unshifted != shifted:
+    if copied and n in (unshifted, masked) and n != shifted:
         warn(
             f"labels are a copy of input_ids but the count {n:g} includes each row's first "
             f"label, which no position predicts ({shifted:g} after the causal shift; "
