@@ -179,15 +179,8 @@ class Resume:
         return item_key(item if ok else None)
 
     def _check_safe(self, window: WindowState) -> None:
-        """Raise where a state would lose work: a micro-batch without its backward yet, or
-        gradients FSDP2 holds itself."""
-        if window.current_backwards == 0:
-            raise RuntimeError(
-                f"acc.state_dict() while micro-batch {window.yielded - 1} of window "
-                f"{window.index} is handed out but has no backward yet: it would be lost on "
-                "resume. Take the state after window.backward(loss_sum, n), at the end of the "
-                "loop body."
-            )
+        """Raise where a state would lose work: an "auto" or ``accumulate_dtype`` window, a
+        micro-batch without its backward yet, or gradients FSDP2 holds itself."""
         engine = self._engine
         if engine.auto is not None or engine.precision is not None:
             what = "an 'auto' size" if engine.auto is not None else "accumulate_dtype"
@@ -195,6 +188,13 @@ class Resume:
                 f"acc.state_dict() inside window {window.index} with {what}: the window's "
                 "state (the size it runs with, or the float32 gradient buffers) is not part of "
                 "a state yet. Take the state at a window boundary (after window.step())."
+            )
+        if window.current_backwards == 0:
+            raise RuntimeError(
+                f"acc.state_dict() while micro-batch {window.yielded - 1} of window "
+                f"{window.index} is handed out but has no backward yet: it would be lost on "
+                "resume. Take the state after window.backward(loss_sum, n), at the end of the "
+                "loop body."
             )
         sync = engine.sync
         fsdp_window = sync.kind == "fsdp2" and getattr(sync, "mode", "") == "window"
