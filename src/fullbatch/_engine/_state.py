@@ -35,15 +35,12 @@ class Phase(enum.Enum):
     DISCARDED = "discarded"  # ended by window.discard()
     ABANDONED = "abandoned"  # ended by an error (the user's function, a guard, a retry)
 
-    @property
-    def closed(self) -> bool:
-        """No call on the window is accepted any more."""
-        return self in _CLOSED
+    closed: bool  # no call on the window is accepted any more (set below: a plain attribute,
+    # read on every micro-batch)
 
 
-_CLOSED = frozenset(
-    {Phase.STEPPING, Phase.STEPPED, Phase.SKIPPED, Phase.DISCARDED, Phase.ABANDONED}
-)
+for _phase in Phase:
+    _phase.closed = _phase not in (Phase.OPEN, Phase.ITERATING, Phase.EXHAUSTED)
 
 
 @dataclass(slots=True, eq=False)
