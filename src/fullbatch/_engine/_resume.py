@@ -149,8 +149,8 @@ class Resume:
         engine = self._engine
         if engine.pending is not None:  # loaded, not resumed yet: still the loaded state
             return dict(engine.pending)
-        window = engine.window if engine.window is not None else None
-        if window is not None and window.phase.closed:
+        window = engine.window
+        if window is not None and window.phase.closed:  # a step that raised inside
             window = None
         inside = window is not None and window.yielded > 0
         if window is not None and inside:
