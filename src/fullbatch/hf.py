@@ -151,10 +151,16 @@ class ExactTrainer(Trainer):
                 f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "
                 "fn(outputs, labels) -> (loss_sum, count)."
             )
-        if type(self).compute_loss is not Trainer.compute_loss:
+        cls = type(self)
+        if cls.compute_loss is not Trainer.compute_loss and cls.exact_loss is ExactTrainer.exact_loss:
+            owner = next(c for c in cls.__mro__ if "compute_loss" in c.__dict__)
             raise TypeError(
-                f"{type(self).__name__} overrides compute_loss, which ExactTrainer never calls "
-                "for training; move that loss into loss=fn(outputs, labels) -> (loss_sum, count)."
+                f"{cls.__name__} overrides compute_loss (in {owner.__name__}), which ExactTrainer "
+                "never calls for training. Keep what it adds by overriding "
+                "exact_loss(self, model, inputs) -> (loss_sum, count) in your class (the loss "
+                "summed over the micro-batch's items, not a mean), or move the loss into "
+                "loss=fn(outputs, labels) -> (loss_sum, count). See docs/integrations_trl.md "
+                "('Any other Trainer subclass')."
             )
         super().__init__(*args, **kwargs)
         self.fb_loss = loss
@@ -244,28 +250,47 @@ class ExactTrainer(Trainer):
         if callable(getattr(optimizer, "train", None)):  # schedule-free optimizers
             optimizer.train()
         inputs = dict(self._prepare_inputs(inputs))
+        with self.compute_loss_context_manager():
+            loss_sum, count = self.exact_loss(model, inputs)
+        loss_sum, count = self._validated(loss_sum, count)
+        self.accelerator.backward(loss_sum * self._fb_c)
+        stats = [loss_sum.detach().double().reshape(1), count.reshape(1), *self._micro_stats()]
+        self._fb_window.append(torch.cat([s.to(count) for s in stats]))
+        if not last:
+            return torch.zeros((), device=self.args.device)
+        return self._normalize(model)
+
+    def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """The micro-batch's loss *summed* over its items, and how many items that is.
+
+        The default runs ``model`` with the labels withheld and computes ``loss=`` from its
+        outputs. A subclass of another Trainer overrides it to keep what that Trainer's
+        ``compute_loss`` adds (see ``docs/integrations_trl.md``); ``training_step`` scales,
+        backpropagates and normalizes by the window's count.
+        """
         if "labels" not in inputs:
             raise ValueError(
                 f"the micro-batch has no 'labels' (keys: {sorted(inputs)}); ExactTrainer "
                 "computes the loss from them. Make the data collator return 'labels', with -100 "
                 "where nothing is predicted."
             )
+        inputs = dict(inputs)
         labels = inputs.pop("labels")
         shift_labels = inputs.pop("shift_labels", None)
-        with self.compute_loss_context_manager():
-            outputs = model(**inputs)
-            if callable(self.fb_loss):
-                loss_sum, count = self.fb_loss(outputs, labels)
-            elif shift_labels is not None and self.fb_loss == "causal_lm":
-                loss_sum, count = _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
-            else:
-                loss_sum, count = _kind_loss(self.fb_loss, outputs, labels, shifted=False)
-        loss_sum, count = self._validated(loss_sum, count)
-        self.accelerator.backward(loss_sum * self._fb_c)
-        self._fb_window.append(torch.stack([loss_sum.detach().double(), count]))
-        if not last:
-            return torch.zeros((), device=self.args.device)
-        return self._normalize(model)
+        outputs = model(**inputs)
+        if callable(self.fb_loss):
+            return self.fb_loss(outputs, labels)
+        if shift_labels is not None and self.fb_loss == "causal_lm":
+            return _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
+        return _kind_loss(self.fb_loss, outputs, labels, shifted=False)
+
+    def _micro_stats(self) -> list[torch.Tensor]:
+        """Extra per-micro-batch sums (float64, 1-dim) summed over the window and all ranks
+        with the count in one all-reduce; :meth:`_window_end` receives the totals."""
+        return []
+
+    def _window_end(self, totals: list[float]) -> None:
+        """Called once per window with ``[loss_sum, count, *extras]`` over all ranks."""
 
     def _validated(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
@@ -287,7 +312,9 @@ class ExactTrainer(Trainer):
                     "DistributedDataParallel: ExactTrainer supports DDP only."
                 )
             totals = self.accelerator.reduce(totals, reduction="sum")
-        loss_sum, count = (float(v) for v in totals.cpu())
+        values = [float(v) for v in totals.cpu()]
+        self._window_end(values)
+        loss_sum, count = values[0], values[1]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if count == 0:
             warnings.warn(
