@@ -87,7 +87,7 @@ LOSS_TOL = 1e-6
 #: The tolerance is never below this many units in the last place of the parameter dtype: a
 #: full batch whose permuted rows round identically (band 0) still sums micro-batches in
 #: another order.
-FLOOR_ULPS = 256
+FLOOR_ULPS = 16
 
 
 def _error(arm: GradientComparison, tol: float) -> float:
