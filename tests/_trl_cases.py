@@ -195,7 +195,7 @@ def step_errors(got: list[dict], ref: list[dict], before: list[dict]) -> list[fl
 
 def ddp_rank(rank: int, world: int) -> dict[str, Any]:
     """One rank of the DDP test (group initialized, tests/_dist.py): ExactSFTTrainer on Gemma 4,
-    prompt-completion rows, 1 row per micro-batch, K=2, 11 rows: windows of 4, 4, 3 rows."""
+    prompt-completion rows, 1 row per micro-batch, K=2, 10 rows: windows of 4, 4, 2 rows."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1",
@@ -211,7 +211,7 @@ def ddp_rank(rank: int, world: int) -> dict[str, Any]:
 
     dist.all_reduce = counting  # type: ignore[assignment]
     try:
-        result = run_sft("gemma4", "prompt", 11, k=2, batch=1, exact=True)
+        result = run_sft("gemma4", "prompt", 10, k=2, batch=1, exact=True)
     finally:
         dist.all_reduce = original  # type: ignore[assignment]
     trainer = result.pop("trainer")
