@@ -4,9 +4,12 @@ It drives the Trainer's own per-window machinery (``get_batch_samples``, then ``
 for each micro-batch with the sync flag the Trainer's loop would set) on a copy of the model
 that shares nothing with it (:func:`fullbatch._hf_isolate.isolated_copy`), three times from the
 same parameters: the rows of one window as ``K`` micro-batches, the same rows as one micro-batch
-(what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch computes), and that full
-batch with its rows in another order. The last two differ only by rounding: their distance is
-the configured model's own rounding band, and the tolerance is a multiple of it. Nothing of the
+(what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch computes), and twice more
+for the rounding band: the full batch with its rows in another order, and the ``K``
+micro-batches right-padded to the full batch's width (masked, ``-100`` labels). Each pair is
+mathematically equal whatever the Trainer does with the loss, so their distance is the
+configured model's own rounding (float32 internals, kernels that change with the sequence
+length), and the tolerance is a multiple of it. Nothing of the
 user's is changed (model, gradients, Trainer attributes, RNG streams; checked on exit).
 """
 
@@ -46,7 +49,8 @@ class TrainerCheck:
             gradient norm.
         tolerance: relative tolerance: ``rtol``, or ``BAND_FACTOR`` (4) times the measured
             ``band``, at least ``FLOOR_ULPS`` units in the last place of the parameter dtype.
-        band: how far the full batch moves when only its rows' order changes (rounding).
+        band: the model's rounding band: how far the full batch moves when only its rows'
+            order changes, or the window when only its micro-batches' padding width does.
         dtype: the parameters' dtype.
         rows, micro_batches: rows of the window and the micro-batches they were split into.
         notes: what the check changed on its copy (dropout) and other remarks.
@@ -169,6 +173,30 @@ def _rows_and_collator(
     return [data[i] for i in range(needed)], collate
 
 
+def _widened(micro: list[Any], full: Any) -> list[Any] | None:
+    """The micro-batches right-padded to the full batch's width: masked positions, ``-100``
+    labels. Mathematically the same window, so its distance to the unpadded window is rounding
+    from the sequence length alone (e.g. a float32 attention that switches kernels with it).
+    ``None`` when the batches are not padded token batches with an ``attention_mask``."""
+    if not all(isinstance(m, dict) and isinstance(m.get("attention_mask"), torch.Tensor)
+               for m in [*micro, full]):  # fmt: skip
+        return None
+    width = full["attention_mask"].shape[-1]
+    out = []
+    for m in micro:
+        rows, n = m["attention_mask"].shape[0], m["attention_mask"].shape[-1]
+        if m["attention_mask"].dim() != 2 or n > width:
+            return None
+        wide = dict(m)
+        for key, value in m.items():
+            if isinstance(value, torch.Tensor) and value.shape[:2] == (rows, n) and value.dim() == 2:
+                fill = -100 if key in ("labels", "shift_labels") else 0
+                pad = value.new_full((rows, width - n), fill)
+                wide[key] = torch.cat([value, pad], dim=1)
+        out.append(wide)
+    return out
+
+
 def _run_window(trainer: Any, model: torch.nn.Module, batches: list[Any]) -> tuple[dict, float]:
     """One window through the Trainer's own get_batch_samples and training_step."""
     for p in model.parameters():
@@ -261,6 +289,7 @@ def check_trainer(
     micro = [collate(data[i * size : (i + 1) * size]) for i in range(k)]
     full = [collate(data)]
     shuffled = [collate(data[1:] + data[:1])]  # the same rows, another order
+    widened = _widened(micro, full[0])  # the micro-batches padded to the full batch's width
 
     user_model = trainer.accelerator.unwrap_model(trainer.model)
     with Untouched(trainer, user_model), torch.random.fork_rng(devices=[]):
@@ -269,6 +298,7 @@ def check_trainer(
         ref, ref_loss = _run_window(trainer, model, full)
         alt, alt_loss = _run_window(trainer, model, shuffled)
         got, got_loss = _run_window(trainer, model, micro)
+        wide, wide_loss = _run_window(trainer, model, widened) if widened else (got, got_loss)
         del model
     notes = [f"dropout switched off on the copy ({len(changed)} modules or attributes)"]
     notes = notes if changed else []
@@ -279,7 +309,14 @@ def check_trainer(
         compare(ref, alt)[2],
         relative(grad_norm(alt), ref_norm),
         relative(alt_loss, ref_loss) if abs(ref_loss) > 0 else 0.0,
+        compare(got, wide)[2],
+        relative(wide_loss, got_loss) if abs(got_loss) > 0 else 0.0,
     )
+    if not widened:
+        notes.append(
+            "the micro-batches carry no attention_mask, so the band was measured by reordering "
+            "rows only (kernels that switch with the sequence length are not covered)"
+        )
     floor = FLOOR_ULPS * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     tol = rtol if rtol is not None else max(BAND_FACTOR * band, floor)
     if not band <= BAND_CAP:
