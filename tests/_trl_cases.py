@@ -51,8 +51,8 @@ class Recording:
         self.collate, self.seen = collate, []  # type: ignore[var-annotated]
 
     def __call__(self, rows: list[Row]) -> Any:
-        self.seen.append([{k: list(r[k]) for k in ("input_ids", "labels", "seq_lengths")
-                           if k in r} for r in rows])  # fmt: skip
+        keys = ("input_ids", "labels", "seq_lengths", "prompt_ids", "chosen_ids", "rejected_ids")
+        self.seen.append([{k: list(r[k]) for k in keys if k in r} for r in rows])
         return self.collate(rows)
 
 

@@ -116,6 +116,7 @@ class ExactTrainer(Trainer):
         loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, or
             ``fn(outputs, labels) -> (loss_sum, count)``: the loss *summed* over the
             micro-batch's items and how many items that is (``fb.cross_entropy_sum``).
+            Required unless a subclass overrides :meth:`exact_loss`.
 
     Raises:
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
@@ -124,7 +125,12 @@ class ExactTrainer(Trainer):
             DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
             LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
             shape does not fit the kind.
-        TypeError: a subclass that overrides ``compute_loss`` (it would not be called).
+        TypeError: a class that overrides ``compute_loss`` (it would not be called for
+            training) without an ``exact_loss`` that replaces it.
+
+    Any other Trainer subclass: ``class Exact(ExactTrainer, YourTrainer)`` and override
+    :meth:`exact_loss` with what ``YourTrainer.compute_loss`` computes, as a sum over the
+    micro-batch's items and their count; ``YourTrainer``'s other methods stay as they are.
 
     Example (tiny classifier; ``check_trainer`` proves the step equals the full batch):
 
@@ -145,15 +151,25 @@ class ExactTrainer(Trainer):
     True
     """
 
-    def __init__(self, *args: Any, loss: str | LossFn, **kwargs: Any) -> None:
-        if not callable(loss) and loss not in LOSS_KINDS:
+    def __init__(self, *args: Any, loss: str | LossFn | None = None, **kwargs: Any) -> None:
+        overridden = type(self).exact_loss is not ExactTrainer.exact_loss
+        if loss is None and not overridden:
+            raise ValueError(
+                f"{type(self).__name__} needs loss=: one of {LOSS_KINDS} or a function "
+                "fn(outputs, labels) -> (loss_sum, count) (or a subclass overriding exact_loss)."
+            )
+        if loss is not None and not callable(loss) and loss not in LOSS_KINDS:
             raise ValueError(
                 f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "
                 "fn(outputs, labels) -> (loss_sum, count)."
             )
         cls = type(self)
-        if cls.compute_loss is not Trainer.compute_loss and cls.exact_loss is ExactTrainer.exact_loss:
-            owner = next(c for c in cls.__mro__ if "compute_loss" in c.__dict__)
+        mro = cls.__mro__
+        owner = next(c for c in mro if "compute_loss" in c.__dict__)
+        exact_owner = next(c for c in mro if "exact_loss" in c.__dict__)
+        if owner is not Trainer and (
+            exact_owner is ExactTrainer or mro.index(owner) < mro.index(exact_owner)
+        ):
             raise TypeError(
                 f"{cls.__name__} overrides compute_loss (in {owner.__name__}), which ExactTrainer "
                 "never calls for training. Keep what it adds by overriding "
@@ -199,7 +215,7 @@ class ExactTrainer(Trainer):
                     f"ExactTrainer normalizes the loss itself and cannot be combined with "
                     f"{setting}: {fix}."
                 )
-        if callable(self.fb_loss):
+        if callable(self.fb_loss) or self.fb_loss is None:
             return
         head = getattr(self.accelerator.unwrap_model(self.model), "loss_type", None)
         known = set().union(*_HEADS.values())
@@ -282,6 +298,7 @@ class ExactTrainer(Trainer):
             return self.fb_loss(outputs, labels)
         if shift_labels is not None and self.fb_loss == "causal_lm":
             return _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
+        assert isinstance(self.fb_loss, str)  # __init__ refuses None without exact_loss
         return _kind_loss(self.fb_loss, outputs, labels, shifted=False)
 
     def _micro_stats(self) -> list[torch.Tensor]:

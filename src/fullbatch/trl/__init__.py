@@ -20,6 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
         "fullbatch.trl needs TRL (and transformers): pip install 'fullbatch[trl]'"
     ) from exc
 
+from fullbatch.trl._dpo import ExactDPOTrainer
 from fullbatch.trl._sft import ExactSFTTrainer
 
-__all__ = ["ExactSFTTrainer"]
+__all__ = ["ExactDPOTrainer", "ExactSFTTrainer"]

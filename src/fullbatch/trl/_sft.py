@@ -66,7 +66,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         config = given.get("args")
         common("ExactSFTTrainer", config, given.get("compute_loss_func"))
         moe_aux("ExactSFTTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None))
-        super().__init__(*args, loss="causal_lm", **kwargs)
+        super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:  # a model loaded by name, now known
             moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
         self._fb_stats: list[torch.Tensor] = []
