@@ -22,8 +22,10 @@ loss instead:
 
 Loss kinds (``loss=``): ``"causal_lm"`` (next-token, labels aligned with the inputs, shifted
 here; a batch's ``shift_labels`` are used as they are), ``"masked_lm"`` (token targets, no shift:
-masked LM and token classification), ``"classification"`` (one integer label per row), or a
-function ``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
+masked LM and token classification), ``"classification"`` (one integer label per row),
+``"seq2seq"`` (encoder-decoders such as T5 and BART: decoder targets, no shift,
+``decoder_input_ids`` built from the labels as the model builds them), or a function
+``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
 
 :func:`check_trainer` runs a configured Trainer on copies, one window accumulated against the
 same rows as one full batch, and says whether its accumulation is exact.
@@ -50,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     ) from exc
 
 from fullbatch._hf_check import TrainerCheck, check_trainer
+from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
 from fullbatch._losses import cross_entropy_sum
 from fullbatch._normalize import check_count
 from fullbatch._schedule import KeptSchedule
@@ -57,11 +60,12 @@ from fullbatch._schedule import KeptSchedule
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
-LOSS_KINDS = ("causal_lm", "masked_lm", "classification")
+LOSS_KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
 
 # Trainer/model loss types (transformers' ``model.loss_type``) each built-in kind fits.
 _HEADS = {
     "causal_lm": {"ForCausalLM"},
+    "seq2seq": set(),  # encoder-decoders: fullbatch._hf_seq2seq.check_kind
     "masked_lm": {"ForMaskedLM", "ForTokenClassification"},
     "classification": {
         "ForSequenceClassification",
@@ -113,7 +117,7 @@ class ExactTrainer(Trainer):
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
-        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, or
+        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, ``"seq2seq"``, or
             ``fn(outputs, labels) -> (loss_sum, count)``: the loss *summed* over the
             micro-batch's items and how many items that is (``fb.cross_entropy_sum``).
             Required unless a subclass overrides :meth:`exact_loss`.
@@ -217,6 +221,7 @@ class ExactTrainer(Trainer):
                 )
         if callable(self.fb_loss) or self.fb_loss is None:
             return
+        check_kind(self.fb_loss, self.accelerator.unwrap_model(self.model))
         head = getattr(self.accelerator.unwrap_model(self.model), "loss_type", None)
         known = set().union(*_HEADS.values())
         if head in known and head not in _HEADS[self.fb_loss]:
@@ -293,6 +298,8 @@ class ExactTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         shift_labels = inputs.pop("shift_labels", None)
+        if self.fb_loss == "seq2seq":
+            inputs = with_decoder_inputs(model, inputs, labels)
         outputs = model(**inputs)
         if callable(self.fb_loss):
             return self.fb_loss(outputs, labels)
