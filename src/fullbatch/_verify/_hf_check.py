@@ -2,7 +2,7 @@
 
 It drives the Trainer's own per-window machinery (``get_batch_samples``, then ``training_step``
 for each micro-batch with the sync flag the Trainer's loop would set) on a copy of the model
-that shares nothing with it (:func:`fullbatch._hf_isolate.isolated_copy`), three times from the
+that shares nothing with it (:func:`fullbatch._verify._isolate.isolated_copy`), three times from the
 same parameters: the rows of one window as ``K`` micro-batches, the same rows as one micro-batch
 (what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch computes), and twice more
 for the rounding band: the full batch with its rows in another order, and the ``K``
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fullbatch._hf_isolate import Untouched, isolated_copy
+from fullbatch._verify._isolate import Untouched, isolated_copy
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
