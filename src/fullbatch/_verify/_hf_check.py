@@ -6,7 +6,8 @@ that shares nothing with it (:func:`fullbatch._verify._isolate.isolated_copy`), 
 same parameters: the rows of one window as ``K`` micro-batches, the same rows as one micro-batch
 (what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch computes), and twice more
 for the rounding band: the full batch with its rows in another order, and the ``K``
-micro-batches right-padded to the full batch's width (masked, ``-100`` labels). Each pair is
+micro-batches given the full batch's shape (right-padded, filled with rows whose labels are all
+``-100``). Each pair is
 mathematically equal whatever the Trainer does with the loss, so their distance is the
 configured model's own rounding (float32 internals, kernels that change with the sequence
 length), and the tolerance is a multiple of it. Nothing of the
@@ -50,7 +51,7 @@ class TrainerCheck:
         tolerance: relative tolerance: ``rtol``, or ``BAND_FACTOR`` (4) times the measured
             ``band``, at least ``FLOOR_ULPS`` units in the last place of the parameter dtype.
         band: the model's rounding band: how far the full batch moves when only its rows'
-            order changes, or the window when only its micro-batches' padding width does.
+            order changes, or the window when only its micro-batches' shape does.
         dtype: the parameters' dtype.
         rows, micro_batches: rows of the window and the micro-batches they were split into.
         notes: what the check changed on its copy (dropout) and other remarks.
@@ -174,25 +175,36 @@ def _rows_and_collator(
 
 
 def _widened(micro: list[Any], full: Any) -> list[Any] | None:
-    """The micro-batches right-padded to the full batch's width: masked positions, ``-100``
-    labels. Mathematically the same window, so its distance to the unpadded window is rounding
-    from the sequence length alone (e.g. a float32 attention that switches kernels with it).
-    ``None`` when the batches are not padded token batches with an ``attention_mask``."""
+    """The micro-batches given the full batch's shape: right-padded to its width (masked
+    positions, ``-100`` labels) and, unless the rows are coupled (DPO's ``[chosen; rejected]``
+    halves), filled up to its rows with copies of their first row whose labels are all ``-100``.
+    Mathematically the same window, so its distance to the plain window is rounding from the
+    shapes alone (e.g. a float32 attention whose kernel changes with them). ``None`` when the
+    batches are not padded token batches with an ``attention_mask``."""
     if not all(isinstance(m, dict) and isinstance(m.get("attention_mask"), torch.Tensor)
                for m in [*micro, full]):  # fmt: skip
         return None
-    width = full["attention_mask"].shape[-1]
+    full_rows, width = full["attention_mask"].shape[0], full["attention_mask"].shape[-1]
+    coupled = "completion_mask" in full
     out = []
     for m in micro:
         rows, n = m["attention_mask"].shape[0], m["attention_mask"].shape[-1]
         if m["attention_mask"].dim() != 2 or n > width:
             return None
+        extra = 0 if coupled else max(full_rows - rows, 0)
         wide = dict(m)
         for key, value in m.items():
-            if isinstance(value, torch.Tensor) and value.shape[:2] == (rows, n) and value.dim() == 2:
-                fill = -100 if key in ("labels", "shift_labels") else 0
-                pad = value.new_full((rows, width - n), fill)
-                wide[key] = torch.cat([value, pad], dim=1)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+                continue
+            ignored = key in ("labels", "shift_labels")
+            if value.dim() == 2 and value.shape[1] == n:
+                pad = value.new_full((rows, width - n), -100 if ignored else 0)
+                value = torch.cat([value, pad], dim=1)
+            if extra:
+                filler = value[:1].expand(extra, *value.shape[1:])
+                filler = torch.full_like(filler, -100) if ignored else filler
+                value = torch.cat([value, filler], dim=0)
+            wide[key] = value
         out.append(wide)
     return out
 
@@ -289,7 +301,7 @@ def check_trainer(
     micro = [collate(data[i * size : (i + 1) * size]) for i in range(k)]
     full = [collate(data)]
     shuffled = [collate(data[1:] + data[:1])]  # the same rows, another order
-    widened = _widened(micro, full[0])  # the micro-batches padded to the full batch's width
+    widened = _widened(micro, full[0])  # the micro-batches shaped as the full batch
 
     user_model = trainer.accelerator.unwrap_model(trainer.model)
     with Untouched(trainer, user_model), torch.random.fork_rng(devices=[]):
