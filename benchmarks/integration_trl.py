@@ -44,7 +44,9 @@ def sft_rows(kind: str, n: int = 24) -> Dataset:
     for i in range(n):
         a = " ".join(WORDS[(i + j) % 6] for j in range(1 + i % 4))
         b = " ".join(WORDS[(2 * i + j) % 6] for j in range(1 + (i * 7) % 3))
-        out.append({"text": f"{a} {b}"} if kind != "completion" else {"prompt": a, "completion": " " + b})
+        out.append(
+            {"text": f"{a} {b}"} if kind != "completion" else {"prompt": a, "completion": " " + b}
+        )
     return Dataset.from_list(out)
 
 
@@ -150,11 +152,18 @@ def sft_table() -> list[str]:
             for cls in (SFTTrainer, ExactSFTTrainer):
                 for batch, k in ((1, 8), (8, 1)):
                     with tempfile.TemporaryDirectory() as tmp:
-                        config = SFTConfig(tmp, per_device_train_batch_size=batch,
-                                           gradient_accumulation_steps=k, **options, **COMMON)  # fmt: skip
+                        config = SFTConfig(
+                            tmp,
+                            per_device_train_batch_size=batch,
+                            gradient_accumulation_steps=k,
+                            **options,
+                            **COMMON,
+                        )
                         before, after, rows = train_once(cls, config, model_kind, data)
                     cells.append(error(before, after, sft_reference(model_kind, rows, before)))
-            lines.append(f"| {model_kind} | {data_name} | " + " | ".join(f"{e:.1e}" for e in cells) + " |")
+            lines.append(
+                f"| {model_kind} | {data_name} | " + " | ".join(f"{e:.1e}" for e in cells) + " |"
+            )
     return lines
 
 
@@ -167,9 +176,15 @@ def dpo_table() -> list[str]:
         for cls in (DPOTrainer, ExactDPOTrainer):
             for batch, k in ((1, 4), (2, 2)):
                 with tempfile.TemporaryDirectory() as tmp:
-                    config = DPOConfig(tmp, per_device_train_batch_size=batch, beta=BETA,
-                                       gradient_accumulation_steps=k, loss_type=types,
-                                       loss_weights=list(weights[: len(types)]), **COMMON)  # fmt: skip
+                    config = DPOConfig(
+                        tmp,
+                        per_device_train_batch_size=batch,
+                        beta=BETA,
+                        gradient_accumulation_steps=k,
+                        loss_type=types,
+                        loss_weights=list(weights[: len(types)]),
+                        **COMMON,
+                    )
                     before, after, rows = train_once(
                         cls, config, "llama", pairs(), ref_model=tiny_causal_lm("llama")
                     )

@@ -170,9 +170,13 @@ def reference(
             correct = (logits.argmax(-1) == targets)[keep].sum() / count
         steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
         metrics.append(
-            {"loss": float(loss.detach()), "entropy": float(entropy), "mean_token_accuracy": float(correct),
-             "tokens": int(mask.sum())}
-        )  # fmt: skip
+            {
+                "loss": float(loss.detach()),
+                "entropy": float(entropy),
+                "mean_token_accuracy": float(correct),
+                "tokens": int(mask.sum()),
+            }
+        )
     return {"steps": steps, "metrics": metrics}
 
 

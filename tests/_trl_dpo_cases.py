@@ -116,6 +116,11 @@ def dpo_reference(windows_: list[list[dict]], starts: list[dict], weights: tuple
         opt.zero_grad(set_to_none=True)
         steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
         rewards = BETA * (pc - rc).detach()
-        metrics.append({"loss": float(loss.detach()), "rewards/chosen": float(rewards.mean()),
-                        "rewards/margins": float((rewards - BETA * (pr - rr).detach()).mean())})
+        metrics.append(
+            {
+                "loss": float(loss.detach()),
+                "rewards/chosen": float(rewards.mean()),
+                "rewards/margins": float((rewards - BETA * (pr - rr).detach()).mean()),
+            }
+        )
     return {"steps": steps, "metrics": metrics}

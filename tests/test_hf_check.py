@@ -15,11 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_cases import Collator, text_rows, training_args
-
 import fullbatch.hf as fbhf
+from _hf_cases import Collator, text_rows, training_args
 from fullbatch._demo._trl_tiny import tiny_causal_lm
-
 
 _REGISTRY: dict[str, Any] = {}  # a global: what no copy of a closure can reach
 
@@ -70,9 +68,9 @@ def test_float32_internals_pass_within_the_measured_band(tmp_path: Any) -> None:
     (TRL's fused LM head on Llama: stock SFTTrainer; Gemma 4's float32 attention, whose kernel
     changes with the sequence length: ExactTrainer). Both are exact up to that rounding, which
     a float64 tolerance (1e-10) would have failed."""
-    from _trl_cases import config, dataset
     from trl import SFTTrainer
 
+    from _trl_cases import config, dataset
     from fullbatch._demo._trl_tiny import char_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -105,9 +103,9 @@ def test_trl_patched_model_is_checked_on_its_copy_and_left_untouched() -> None:
     """TRL patches a fused LM head onto the model (a closure over the original): the check
     still gets a gradient (no "0 vs 0" pass) and leaves the user's model, gradients, RNG
     streams, optimizer and the Trainer's metrics as they were."""
-    from _trl_cases import config, dataset
     from trl import SFTTrainer
 
+    from _trl_cases import config, dataset
     from fullbatch._demo._trl_tiny import char_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():

@@ -12,9 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_cases import training_args
-
 import fullbatch.hf as fbhf
+from _hf_cases import training_args
 from fullbatch._demo._trl_tiny import tiny_causal_lm, tiny_seq2seq
 
 # float64 models; T5's layer norm computes its variance in float32 (its band: 3e-8 measured over
@@ -72,7 +71,7 @@ def test_seq2seq_every_step_equals_full_batch(kind: str) -> None:
 def test_token_kinds_refused_on_encoder_decoders_and_seq2seq_on_decoders() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args = training_args(tmp, k=2, batch=2)
-        with pytest.raises(ValueError, match="encoder-decoder.*pass loss='seq2seq'"):
+        with pytest.raises(ValueError, match=r"encoder-decoder.*pass loss='seq2seq'"):
             fbhf.ExactTrainer(model=tiny_seq2seq("t5"), args=args, loss="causal_lm")
         with pytest.raises(ValueError, match="pass loss='causal_lm'"):
             fbhf.ExactTrainer(model=tiny_causal_lm("llama"), args=args, loss="seq2seq")

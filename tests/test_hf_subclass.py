@@ -17,11 +17,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from test_hf_check import _SmallCollator, small_rows
-
 import fullbatch.hf as fbhf
 from _hf_cases import training_args
 from fullbatch._demo._trl_tiny import tiny_causal_lm
+from test_hf_check import _SmallCollator, small_rows
 
 LAMBDA = 0.05
 TOL = 1e-6

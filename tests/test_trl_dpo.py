@@ -14,7 +14,6 @@ pytest.importorskip("trl")
 
 from _trl_cases import starts, step_errors, windows
 from _trl_dpo_cases import dpo_config, dpo_reference, pairs, run_dpo
-
 from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
 
 TOL = 2e-6

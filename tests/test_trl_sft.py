@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("trl")
 
+import fullbatch.hf as fbhf
 from _dist import run_ranks, values
 from _trl_cases import (
     config,
@@ -32,8 +33,6 @@ from _trl_cases import (
     step_errors,
     windows,
 )
-
-import fullbatch.hf as fbhf
 from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
 
 TOL = 2e-6
@@ -196,3 +195,19 @@ def test_check_trainer_verdicts_on_gemma4() -> None:
     assert not stock.passed and "fullbatch.trl.ExactSFTTrainer" in stock.reason, str(stock)
     assert exact.passed and 0 < exact.band < 1e-6 and exact.accumulated.grad_norm > 0, str(exact)
     assert torch.isfinite(torch.tensor(exact.tolerance))
+
+
+def test_public_names_and_the_missing_extra() -> None:
+    import subprocess
+    import sys
+
+    import fullbatch.trl
+
+    assert sorted(fullbatch.trl.__all__) == ["ExactDPOTrainer", "ExactSFTTrainer"]
+    assert all(hasattr(fullbatch.trl, name) for name in fullbatch.trl.__all__)
+    code = (
+        "import sys; sys.modules['trl'] = None\n"
+        "try:\n    import fullbatch.trl\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'fullbatch[trl]'" in out.stdout, out.stderr

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from fullbatch._verify._isolate import Untouched, isolated_copy
 from fullbatch._verify._arms import compare, grad_norm, relative
+from fullbatch._verify._isolate import Untouched, isolated_copy
 from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
 from fullbatch._verify._state import disable_dropout
@@ -127,9 +127,7 @@ def _fix(trainer: Any) -> str:
     return "use fullbatch.hf.ExactTrainer(..., loss=...) in place of the Trainer"
 
 
-def _diagnose(
-    arm: GradientComparison, ref_norm: float, k: int, tol: float, trainer: Any
-) -> str:
+def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, trainer: Any) -> str:
     name = type(trainer).__name__
     if not ref_norm > 0 or not arm.grad_norm > 0:
         return (

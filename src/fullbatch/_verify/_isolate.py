@@ -96,9 +96,9 @@ class Untouched:
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         saved = dict(vars(self.trainer))
         for key, value in saved.items():
-            if (
-                isinstance(value, (dict, list)) and _plain(value)
-            ) or dataclasses.is_dataclass(value):
+            if (isinstance(value, (dict, list)) and _plain(value)) or dataclasses.is_dataclass(
+                value
+            ):
                 saved[key] = copy.deepcopy(value)
         self.attributes = saved
         return self
@@ -122,9 +122,10 @@ class Untouched:
             or (p.grad is not None and not torch.equal(p.grad, self.grad_values[i]))  # type: ignore[arg-type]
         ]
         for i in touched:
-            params[i].grad = self.grads[i]
-            if self.grads[i] is not None:
-                self.grads[i].copy_(self.grad_values[i])  # type: ignore[arg-type]
+            grad, value = self.grads[i], self.grad_values[i]
+            params[i].grad = grad
+            if grad is not None and value is not None:
+                grad.copy_(value)
         changed = [i for i, p in enumerate(params) if p._version != self.versions[i]]
         if (touched or changed) and exc[0] is None:
             raise RuntimeError(

@@ -73,9 +73,9 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         refuse(
             "ExactDPOTrainer",
             {
-                f"loss_type={coupled}": "these losses sort the pairs of a batch against each other, "
-                "so no sum over micro-batches equals the full batch's; use another loss_type or "
-                "gradient_accumulation_steps=1"
+                f"loss_type={coupled}": "these losses sort the pairs of a batch against each "
+                "other, so no sum over micro-batches equals the full batch's; use another "
+                "loss_type or gradient_accumulation_steps=1"
                 if coupled
                 else None,
                 "padding_free=True": "pairs are counted from the padded [chosen; rejected] batch; "
@@ -84,7 +84,9 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
                 else None,
             },
         )
-        moe_aux("ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None))
+        moe_aux(
+            "ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
+        )
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             moe_aux("ExactDPOTrainer", self.model, self.router_aux_loss_coef)

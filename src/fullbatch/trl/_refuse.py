@@ -26,8 +26,10 @@ def refuse(trainer: str, settings: dict[str, str | None]) -> None:
 
 def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
     """Refusals every fullbatch TRL trainer shares (``config``: the TRL config or None)."""
-    get = (lambda name, default=None: default) if config is None else (
-        lambda name, default=None: getattr(config, name, default)
+    get = (
+        (lambda name, default=None: default)
+        if config is None
+        else (lambda name, default=None: getattr(config, name, default))
     )
     optim = str(get("optim", ""))
     refuse(

@@ -65,7 +65,9 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         given = bind(SFTTrainer.__init__, args, kwargs)
         config = given.get("args")
         common("ExactSFTTrainer", config, given.get("compute_loss_func"))
-        moe_aux("ExactSFTTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None))
+        moe_aux(
+            "ExactSFTTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
+        )
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:  # a model loaded by name, now known
             moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
@@ -89,7 +91,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
         log_probs = outputs.log_probs  # zero on ignored positions
         per_token = -log_probs
-        if self.args.loss_type == "dft":
+        if getattr(self.args, "loss_type", "nll") == "dft":  # an SFTConfig's
             per_token = per_token * log_probs.exp().detach()
         mask = outputs.label_mask
         if "attention_mask" in inputs:
