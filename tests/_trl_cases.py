@@ -199,7 +199,8 @@ def step_errors(got: list[dict], ref: list[dict], before: list[dict]) -> list[fl
 
 def ddp_rank(rank: int, world: int) -> dict[str, Any]:
     """One rank of the DDP test (group initialized, tests/_dist.py): ExactSFTTrainer on Gemma 4,
-    prompt-completion rows, 1 row per micro-batch, K=2, 10 rows: windows of 4, 4, 2 rows."""
+    prompt-completion rows, then ExactDPOTrainer (sigmoid + sft) on Llama; 1 row or pair per
+    micro-batch, K=2, 10 rows or pairs: windows of 4, 4, 2."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1",
@@ -213,12 +214,18 @@ def ddp_rank(rank: int, world: int) -> dict[str, Any]:
         calls["all_reduce"] += 1
         return original(*args, **kwargs)
 
+    from _trl_dpo_cases import run_dpo
+
     dist.all_reduce = counting  # type: ignore[assignment]
     try:
         result = run_sft("gemma4", "prompt", 10, k=2, batch=1, exact=True)
+        result["all_reduce"] = calls["all_reduce"]
+        trainer = result.pop("trainer")
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        calls["all_reduce"] = 0
+        dpo = run_dpo(10, k=2, batch=1, exact=True, loss_type=["sigmoid", "sft"],
+                      loss_weights=[1.0, 0.5])  # fmt: skip
+        dpo["all_reduce"] = calls["all_reduce"]
     finally:
         dist.all_reduce = original  # type: ignore[assignment]
-    trainer = result.pop("trainer")
-    assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    result["all_reduce"] = calls["all_reduce"]
-    return result
+    return {"sft": result, "dpo": dpo}

@@ -33,6 +33,7 @@ from _trl_cases import (
     step_errors,
     windows,
 )
+from _trl_dpo_cases import dpo_reference
 from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
 
 TOL = 2e-6
@@ -99,10 +100,24 @@ def test_stock_sft_trainer_misses_where_exact_does_not(
 
 def test_ddp_two_ranks_equal_full_batch() -> None:
     """Two gloo ranks, 1 row per micro-batch, K=2: every rank's parameters after every step
-    equal the full batch over both ranks' rows (windows 4, 4, 2); one all-reduce per window."""
+    equal the full batch over both ranks' rows (windows 4, 4, 2); one all-reduce per window
+    (SFT), two for DPO (its pair and token counts before the window, the count after)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = values(run_ranks(ddp_rank, 2, deadline=240.0))
+        both = values(run_ranks(ddp_rank, 2, deadline=300.0))
+    results = [r["sft"] for r in both]
+    dpo = [r["dpo"] for r in both]
+    dpo_wins = [a + b for a, b in zip(*[windows(r["seen"], 2) for r in dpo], strict=True)]
+    assert [len(w) for w in dpo_wins] == [4, 4, 2]
+    for rank, result in enumerate(dpo):
+        before = starts("llama", result["steps"])
+        ref = dpo_reference(dpo_wins, before, (1.0, 0.5))
+        assert max(step_errors(result["steps"], ref["steps"], before)) < TOL, rank
+        for log, m in zip(result["logs"], ref["metrics"], strict=True):
+            assert _close(log["loss"], m["loss"]) and _close(
+                log["rewards/chosen"], m["rewards/chosen"]
+            )
+        assert result["all_reduce"] == 2 * len(dpo_wins), result["all_reduce"]
     per_rank = [windows(r["seen"], 2) for r in results]
     wins = [a + b for a, b in zip(*per_rank, strict=True)]
     assert [len(w) for w in wins] == [4, 4, 2]  # the last window: one micro-batch per rank
