@@ -46,9 +46,11 @@ def isolated_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model`` whose instance-patched methods call the copy, not ``model``.
 
     >>> import types
+    >>> def patch(module):  # as TRL patches its fused LM head: a closure over the original
+    ...     original = module.forward
+    ...     module.forward = types.MethodType(lambda self, x: original(x) * 2, module)
     >>> net = torch.nn.Linear(2, 1)
-    >>> original = net.forward
-    >>> net.forward = types.MethodType(lambda self, x: original(x) * 2, net)
+    >>> patch(net)
     >>> twin = isolated_copy(net)
     >>> _ = twin(torch.ones(1, 2)).sum().backward()
     >>> net.weight.grad is None, twin.weight.grad is not None
