@@ -127,6 +127,7 @@ def test_trl_patched_model_is_checked_on_its_copy_and_left_untouched() -> None:
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state_dict().items()}
     trainer._metrics["train"]["entropy"].append(1.5)
     metrics = {k: list(v) for k, v in trainer._metrics["train"].items()}
+    objects = (trainer._metrics, trainer.args, trainer.state)
     torch.manual_seed(3)
     random.seed(3)
     expected = (torch.rand(2), random.random())
@@ -143,6 +144,8 @@ def test_trl_patched_model_is_checked_on_its_copy_and_left_untouched() -> None:
     assert torch.equal(grad, torch.ones_like(grad))
     assert str(optimizer.state_dict()) == str(state)
     assert {k: list(v) for k, v in trainer._metrics["train"].items()} == metrics
+    assert (trainer._metrics, trainer.args, trainer.state) == objects  # the same objects
+    assert all(a is b for a, b in zip((trainer._metrics, trainer.args, trainer.state), objects))
 
 
 def test_a_copy_that_runs_the_original_is_an_error(tmp_path: Any) -> None:

@@ -96,13 +96,19 @@ class Untouched:
         self.grad_values = [None if g is None else g.detach().clone() for g in self.grads]
         self.rng = (torch.get_rng_state(), random.getstate(), _numpy_state())
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        saved = dict(vars(self.trainer))
-        for key, value in saved.items():
-            if (isinstance(value, (dict, list)) and _plain(value)) or dataclasses.is_dataclass(
-                value
-            ):
-                saved[key] = copy.deepcopy(value)
-        self.attributes = saved
+        self.attributes = dict(vars(self.trainer))
+        # Contents mutated in place (metric lists, the TrainerState), restored in place so that
+        # every object keeps its identity.
+        self.contents = [
+            (value, copy.deepcopy(value))
+            for value in self.attributes.values()
+            if (isinstance(value, (dict, list)) and _plain(value))
+            or (
+                dataclasses.is_dataclass(value)
+                and not isinstance(value, type)
+                and hasattr(value, "__dict__")
+            )
+        ]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -116,6 +122,14 @@ class Untouched:
             torch.cuda.set_rng_state_all(self.cuda)
         vars(self.trainer).clear()
         vars(self.trainer).update(self.attributes)
+        for value, snapshot in self.contents:
+            if isinstance(value, dict):
+                value.clear()
+                value.update(snapshot)
+            elif isinstance(value, list):
+                value[:] = snapshot
+            else:
+                vars(value).update(vars(snapshot))
         params = list(self.model.parameters())
         touched = [
             i
