@@ -145,7 +145,8 @@ def test_trl_patched_model_is_checked_on_its_copy_and_left_untouched() -> None:
     assert str(optimizer.state_dict()) == str(state)
     assert {k: list(v) for k, v in trainer._metrics["train"].items()} == metrics
     assert (trainer._metrics, trainer.args, trainer.state) == objects  # the same objects
-    assert all(a is b for a, b in zip((trainer._metrics, trainer.args, trainer.state), objects))
+    now = (trainer._metrics, trainer.args, trainer.state)
+    assert all(a is b for a, b in zip(now, objects, strict=True))
 
 
 def test_a_copy_that_runs_the_original_is_an_error(tmp_path: Any) -> None:

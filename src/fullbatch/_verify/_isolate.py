@@ -99,7 +99,7 @@ class Untouched:
         self.attributes = dict(vars(self.trainer))
         # Contents mutated in place (metric lists, the TrainerState), restored in place so that
         # every object keeps its identity.
-        self.contents = [
+        self.contents: list[tuple[Any, Any]] = [
             (value, copy.deepcopy(value))
             for value in self.attributes.values()
             if (isinstance(value, (dict, list)) and _plain(value))
@@ -138,10 +138,10 @@ class Untouched:
             or (p.grad is not None and not torch.equal(p.grad, self.grad_values[i]))  # type: ignore[arg-type]
         ]
         for i in touched:
-            grad, value = self.grads[i], self.grad_values[i]
+            grad, saved = self.grads[i], self.grad_values[i]
             params[i].grad = grad
-            if grad is not None and value is not None:
-                grad.copy_(value)
+            if grad is not None and saved is not None:
+                grad.copy_(saved)
         changed = [i for i, p in enumerate(params) if p._version != self.versions[i]]
         if (touched or changed) and exc[0] is None:
             raise RuntimeError(
