@@ -217,7 +217,11 @@ def test_public_names_and_the_missing_extra() -> None:
 
     import fullbatch.trl
 
-    assert sorted(fullbatch.trl.__all__) == ["ExactDPOTrainer", "ExactGRPOTrainer", "ExactSFTTrainer"]
+    assert sorted(fullbatch.trl.__all__) == [
+        "ExactDPOTrainer",
+        "ExactGRPOTrainer",
+        "ExactSFTTrainer",
+    ]
     assert all(hasattr(fullbatch.trl, name) for name in fullbatch.trl.__all__)
     code = (
         "import sys; sys.modules['trl'] = None\n"
