@@ -41,7 +41,8 @@ def _reduce_stats(
         parts[_COUNT] = counts + window._count_py
         parts[_BAD_COUNT] = bad
         if acc._sync.sharded:
-            parts[_SHARD_SQ] = squared_norm(grads, device)
+            # Ranks holding the same shard (HSDP replicas, CP ranks) each add their share.
+            parts[_SHARD_SQ] = squared_norm(grads, device) / acc._sync.norm_copies
         # The form is agreed over ranks: a rank without micro-batches made no call at all.
         form_slot = _SHARE_CALLS if window._form == "share" else _COUNT_CALLS
         parts[form_slot] += window._backwards
@@ -94,6 +95,7 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
             f"in window {window.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
         )
+    sync.combine_context_parallel(grads)  # CP ranks beside the wrapper: sum their pieces
     share = shares > 0
     scaler = acc._scaler
     loss_scale = 1.0 if share else window.loss_scale
