@@ -62,7 +62,9 @@ def attach_context_parallel(sync: Sync, cp_group: Any) -> None:
     # Every CP rank's data-parallel ranks: their union is the counting group.
     mine = torch.tensor(dp_ranks, dtype=torch.int64)
     out = torch.empty(len(cp_ranks) * len(dp_ranks), dtype=torch.int64)
-    dist.all_gather_into_tensor(out, mine, group=cp_group)
+    # all_gather_single is the newer name of all_gather_into_tensor (torch >= 2.10).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=cp_group)
     union = sorted(set(out.tolist()))
     if len(union) != len(dp_ranks) * len(cp_ranks):
         raise ValueError(
