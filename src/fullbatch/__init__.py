@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fullbatch._accumulator import Accumulator
     from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
     from fullbatch._lr import scale_lr
+    from fullbatch._pipeline import Pipeline, PipelineLoss
     from fullbatch._stats import StepStats
     from fullbatch._verify import VerifyReport, verify
     from fullbatch._window import Window
@@ -28,6 +29,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "Pipeline",
+    "PipelineLoss",
     "StepStats",
     "VerifyReport",
     "Window",
@@ -43,6 +46,8 @@ __all__ = [
 # public name -> the private module that defines it (a module itself when the name is "")
 _LAZY = {
     "Accumulator": "fullbatch._accumulator",
+    "Pipeline": "fullbatch._pipeline",
+    "PipelineLoss": "fullbatch._pipeline",
     "StepStats": "fullbatch._stats",
     "VerifyReport": "fullbatch._verify",
     "Window": "fullbatch._window",
