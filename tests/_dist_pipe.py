@@ -135,7 +135,8 @@ def _refusals() -> dict[str, str]:
     from torch.distributed import pipelining as pl
 
     errors = {}
-    group = dist.new_group([dist.get_rank()])  # a one-stage pipeline on this rank
+    # A one-stage pipeline on this rank (every rank creates every group, in the same order).
+    group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     block = make_blocks()[3]
     opt = make_optimizer(block.parameters())
     before = _flat(block)

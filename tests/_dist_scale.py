@@ -250,12 +250,35 @@ def _cp_case(rank: int, inside: bool) -> dict[str, Any]:
     return out
 
 
+AUTO_ROWS = [[8, 8, 6], [8, 5, 7], [6, 8, 8], [8, 6, 5]]  # per rank: rows of whole windows
+
+
+def _hsdp_auto(rank: int, mesh: Any) -> dict[str, Any]:
+    """micro_batch_size="auto", hybrid: rank 3 fits 3 rows and fails once more after backward
+    calls (the partial shard FSDP2 holds of that attempt must be dropped)."""
+    from _dist_auto import Fits, items
+    from _dist_auto import make_model as fits_model
+
+    fits = [10**9, 10**9, 10**9, 3][rank]
+    model = _hsdp(fits_model(fits, (3,) if rank == 3 else ()), mesh)
+    opt = make_optimizer(model.parameters())
+    out: dict[str, Any] = {"params": [], "retries": []}
+    with fb.Accumulator(model, opt, micro_batch_size="auto") as acc:
+        for window in acc.windows(items(rank, AUTO_ROWS)):
+            stats = window.run(lambda m: fb.cross_entropy_sum(model(m["x"]), m["y"]))
+            out["params"].append(_full_params(model))
+            out["retries"].append(stats.retries)
+    out["calls"] = next(m for m in model.modules() if isinstance(m, Fits)).calls
+    return out
+
+
 def scale_cases(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     results: dict[str, Any] = {name: _hsdp_case(rank, mesh, o) for name, o in HSDP_CASES.items()}
     results["refusals"] = _refusals(rank, mesh)
+    results["auto"] = _hsdp_auto(rank, mesh)
     results["cp-beside"] = _cp_case(rank, inside=False)
     results["cp-inside"] = _cp_case(rank, inside=True)
     return results

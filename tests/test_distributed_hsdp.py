@@ -106,6 +106,20 @@ def test_hsdp_refusals(results: list[dict]) -> None:
         assert "under FSDP2 is not supported" in res["refusals"]["accumulate_dtype"]
 
 
+def test_hsdp_auto_size_after_out_of_memory_is_exact(results: list[dict]) -> None:
+    from _dist_auto import reference_windows
+    from _dist_cases import reference_run
+
+    ref = reference_run(reference_windows(cases.AUTO_ROWS))
+    for rank, res in enumerate(results):
+        auto = res["auto"]
+        assert auto["retries"][0] >= 2, auto["retries"]  # 8 -> 4 -> 2 (and 1: fail_calls)
+        for step, (got, want) in enumerate(zip(auto["params"], ref, strict=True)):
+            assert torch.equal(got, results[0]["auto"]["params"][step]), (rank, step)
+            assert _rel(got, want) < TOL, (rank, step, _rel(got, want))
+    assert results[3]["auto"]["calls"][:2] == [8, 4]  # rank 3 ran out of memory at 8, then 4
+
+
 @pytest.mark.parametrize("name", ["cp-beside", "cp-inside"])
 def test_context_parallel_exact_and_counted(results: list[dict], name: str) -> None:
     ref = cases.cp_reference()

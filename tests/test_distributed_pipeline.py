@@ -44,7 +44,17 @@ def test_pipeline_exact_on_every_rank_after_every_step(results: list[dict], kind
     ref = cases.pipe_reference()
     for step in range(cases.WINDOWS):
         got = _assembled(results, kind, step)
-        assert _rel(got, torch.cat(ref["params"][step])) < TOL, (kind, step)
+        detail = [  # on failure: which rank's blocks, and what each rank counted
+            (
+                rank,
+                i,
+                _rel(t, ref["params"][step][i]),
+                [(s.count, s.grad_norm) for s in r[kind]["stats"]],
+            )
+            for rank, r in enumerate(results)
+            for i, t in r[kind]["params"][step].items()
+        ]
+        assert _rel(got, torch.cat(ref["params"][step])) < TOL, (kind, step, detail)
     for rank, res in enumerate(results):
         stats = res[kind]["stats"]
         assert [s.count for s in stats] == ref["counts"]  # known before the loss, DP-summed

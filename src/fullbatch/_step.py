@@ -95,7 +95,8 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
             f"in window {window.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
         )
-    sync.combine_context_parallel(grads)  # CP ranks beside the wrapper: sum their pieces
+    # CP ranks beside the wrapper: sum their pieces (zeros here do not change norm or scale).
+    sync.combine_context_parallel(acc._params, grads if precision is not None else None)
     share = shares > 0
     scaler = acc._scaler
     loss_scale = 1.0 if share else window.loss_scale

@@ -95,10 +95,23 @@ class Sync:
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
         """Bucketed all-reduce (sum) of gradients at the step, for ``ddp_sync="step"``."""
 
-    def combine_context_parallel(self, grads: list[torch.Tensor]) -> None:
-        """Sum gradients over the context-parallel ranks beside the wrapper (in place)."""
-        if self.context_group is not None:
-            self._last_work = sum_tensors(grads, self.context_group)
+    def combine_context_parallel(
+        self, params: list[nn.Parameter], buffers: list[torch.Tensor] | None
+    ) -> None:
+        """Sum gradients over the context-parallel ranks beside the wrapper (in place).
+
+        ``buffers``: the ``accumulate_dtype`` buffers standing in for ``.grad``, else None.
+        A parameter without a gradient here may have one on another CP rank: it sums zeros
+        (as ``ddp_sync="step"`` does), so every rank's buckets match.
+        """
+        if self.context_group is None:
+            return
+        if buffers is None:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            buffers = [p.grad for p in params if p.grad is not None]
+        self._last_work = sum_tensors(buffers, self.context_group)
 
     def reduce_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Bucketed all-reduce (sum) of tensors, in place (``accumulate_dtype`` buffers)."""
