@@ -142,7 +142,7 @@ def _hsdp_case(rank: int, mesh: Any, options: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("always")
         acc = fb.Accumulator(model, opt, micro_batches=K, **options)
     out["warnings"] = [str(w.message) for w in caught]
-    out["divisor"] = acc._sync.divisor
+    out["divisor"] = acc._engine.sync.divisor
     if hook:  # the hook sees the normalized full gradient (a collective: every rank runs it)
         acc.register_window_hook(
             lambda: out["hook"].append(

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from fullbatch._normalize import squared_norm
-from fullbatch._stats import StepStats
-from fullbatch._sync._pipeline import PipelineComm
+from fullbatch._base._normalize import squared_norm
+from fullbatch._base._stats import StepStats
+from fullbatch._base._sync._pipeline import PipelineComm
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 
@@ -224,3 +224,10 @@ class PipelineWindow:
             micro_batches=self.micro_batches,
             skipped_windows=pipe.skipped_windows,
         )
+
+
+# Public at the root: reprs and pickles name fullbatch.Pipeline, whichever file defines it.
+Pipeline.__module__ = "fullbatch"
+PipelineLoss.__module__ = "fullbatch"
+# doctest skips classes whose __module__ is elsewhere: name the example here.
+__test__ = {"PipelineLoss": PipelineLoss}

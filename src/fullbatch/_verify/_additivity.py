@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._split import count_rows, take_rows
+from fullbatch._base._split import count_rows, take_rows
 from fullbatch._verify._arms import LossFn, call_loss
 from fullbatch._verify._bn import batchnorm_feeds
 from fullbatch._verify._report import AdditivityCheck

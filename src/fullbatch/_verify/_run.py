@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._split import count_rows
+from fullbatch._base._split import count_rows
 from fullbatch._verify._additivity import check_additivity
 from fullbatch._verify._arms import (
     LossFn,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullbatch._sync._base import Sync
+from fullbatch._base._sync._base import Sync
 
 __all__ = ["attach_context_parallel"]
 

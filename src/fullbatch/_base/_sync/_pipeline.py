@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullbatch._sync._base import sum_tensors
+from fullbatch._base._sync._base import sum_tensors
 
 __all__ = ["PipelineComm"]
 

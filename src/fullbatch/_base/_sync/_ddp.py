@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fullbatch._sync._base import Sync, sum_tensors
+from fullbatch._base._sync._base import Sync, sum_tensors
 
 __all__ = ["DDPSync"]
 

@@ -7,11 +7,13 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
-from fullbatch._sync._base import Sync
-from fullbatch._sync._context import attach_context_parallel
-from fullbatch._sync._ddp import DDPSync
-from fullbatch._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._sync._base import Sync
+from fullbatch._base._sync._context import attach_context_parallel
+from fullbatch._base._sync._ddp import DDPSync
+from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
 
 __all__ = ["make_sync"]
 
@@ -45,9 +47,6 @@ def make_sync(
         _check_mode("fsdp_sync", fsdp_sync, FSDP_SYNC_MODES)
     if grad_divisor is not None and not grad_divisor > 0:
         raise ValueError(f"grad_divisor must be > 0, got {grad_divisor!r}.")
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
     sync: Sync
     if isinstance(model, DistributedDataParallel):
         sync = DDPSync(model, ddp_sync, grad_divisor)

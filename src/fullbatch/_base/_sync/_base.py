@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Sync", "sum_tensors"]
+__all__ = ["Sync", "all_reduce_over", "sum_tensors"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -169,3 +169,12 @@ def _sum_bucket(tensors: list[torch.Tensor], group: Any) -> Any:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return work
+
+
+def all_reduce_over(tensor: torch.Tensor, group: Any = None) -> int:
+    """Sum ``tensor`` in place over ``group`` (the default group for ``None``); its size.
+
+    For integrations whose framework owns the group (Lightning's DDP strategy).
+    """
+    dist.all_reduce(tensor, group=group)
+    return dist.get_world_size(group)

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from fullbatch._sync._base import Sync
+from fullbatch._base._sync._base import Sync
 
 __all__ = ["FSDP_SYNC_MODES", "FSDPSync", "fsdp_mesh"]
 
@@ -39,8 +40,6 @@ def fsdp_mesh(model: nn.Module) -> Any:
 
 
 def _fsdp_modules(model: nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
