@@ -118,7 +118,14 @@ def _run(rank: int, kind: str, pp: Any, dp: Any, mode: str) -> dict[str, Any]:
             for x, y in data:
                 window.run(x if first else None, target=y if last else None)
             out["held"] = sum(p.grad.numel() * 8 for p in params if p.grad is not None)
+            before = [p.detach().clone() for p in params]
+            grads = [None if p.grad is None else float(p.grad.norm()) for p in params]
             out["stats"].append(window.step())
+            if w == 0:  # diagnostics for a failure: did the step move this rank's parameters?
+                moved = [not torch.equal(b, p) for b, p in zip(before, params, strict=True)]
+                mine = [q for i in ids for q in blocks[i].parameters()]
+                same = all(a is b for a, b in zip(mine, params, strict=True))
+                out["diag"] = {"grads": grads, "moved": moved, "same": same}
             out["counts"].append(dict(calls))
             calls.clear()
             out["params"].append({i: _flat(blocks[i]) for i in ids})
@@ -170,7 +177,7 @@ def pipe_reference(max_grad_norm: float = 0.5) -> dict[str, list[Any]]:
     blocks = make_blocks()
     model = nn.Sequential(*blocks)
     opt = make_optimizer(model.parameters())
-    out: dict[str, list[Any]] = {"params": [], "norms": [], "counts": []}
+    out: dict[str, list[Any]] = {"params": [], "norms": [], "counts": [], "losses": []}
     for w in range(WINDOWS):
         data = [batch(d, w, c) for d in range(2) for c in range(CALLS[d])]
         x = torch.cat([b[0] for b in data])
@@ -181,6 +188,7 @@ def pipe_reference(max_grad_norm: float = 0.5) -> dict[str, list[Any]]:
         loss.backward()
         out["norms"].append(float(nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         out["counts"].append(float(n))
+        out["losses"].append(float(loss.detach()))
         opt.step()
         out["params"].append([_flat(b) for b in blocks])
     return out

@@ -54,12 +54,14 @@ def test_pipeline_exact_on_every_rank_after_every_step(results: list[dict], kind
             for rank, r in enumerate(results)
             for i, t in r[kind]["params"][step].items()
         ]
-        assert _rel(got, torch.cat(ref["params"][step])) < TOL, (kind, step, detail)
+        diag = [r[kind].get("diag") for r in results]
+        assert _rel(got, torch.cat(ref["params"][step])) < TOL, (kind, step, detail, diag)
     for rank, res in enumerate(results):
         stats = res[kind]["stats"]
         assert [s.count for s in stats] == ref["counts"]  # known before the loss, DP-summed
-        for s, norm in zip(stats, ref["norms"], strict=True):
+        for s, norm, loss in zip(stats, ref["norms"], ref["losses"], strict=True):
             assert abs(s.grad_norm - norm) / norm < TOL  # clipped at 0.5: the norm matters
+            assert abs(s.loss - loss) / loss < TOL, (s.loss, loss)  # the full-batch loss
         # DP index 0 runs 2 schedule steps per window (8 pipeline micro-batches), index 1 one.
         assert [s.micro_batches for s in stats] == [4 * cases.CALLS[rank // 2]] * 2
 

@@ -49,7 +49,6 @@ class PipelineLoss:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.normalizer: float | None = None
-        self.total: Any = 0.0  # the window's summed loss on this rank (StepStats.loss)
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
         if self.normalizer is None:
@@ -60,7 +59,6 @@ class PipelineLoss:
             )
         out = self.fn(output, target, **kwargs)
         loss_sum = out[0] if isinstance(out, tuple) else out
-        self.total = self.total + loss_sum.detach().double()  # no host sync here
         return loss_sum / self.normalizer
 
 
@@ -166,16 +164,24 @@ class PipelineWindow:
         self._pipe = pipeline
         self.count = count
         self.micro_batches = 0
-        pipeline.loss.total = 0.0
+        # The schedule's losses of real micro-batches (already divided by N). Not summed in
+        # the loss function: torch's metadata inference calls it once more on a first step.
+        self._losses: list[torch.Tensor] = []
 
-    def run(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
-        """``schedule.step(*args, target=target, **kwargs)`` with the loss normalized by N."""
+    def run(
+        self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """``schedule.step(*args, target=target, losses=losses, **kwargs)``, the loss
+        normalized by the window's count; ``losses`` (last stage) receives each pipeline
+        micro-batch's ``loss_sum / N``."""
         pipe = self._pipe
+        losses = [] if losses is None else losses
         pipe.loss.normalizer = self.count if self.count > 0 else 1.0  # N = 0: skipped anyway
         try:
-            out = pipe.schedule.step(*args, target=target, **kwargs)
+            out = pipe.schedule.step(*args, target=target, losses=losses, **kwargs)
         finally:
             pipe.loss.normalizer = None
+        self._losses.extend(t.detach() for t in losses)
         self.micro_batches += int(getattr(pipe.schedule, "_n_microbatches", 1))
         return out
 
@@ -190,12 +196,13 @@ class PipelineWindow:
         pipe._comm.sum_grads(grads)
         # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
         sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
-        total, sq = pipe._comm.sum([float(pipe.loss.total) if pipe._last else 0.0, sq])
+        mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
+        loss, sq = pipe._comm.sum([mine, sq])  # the window's loss: Σ loss_sum / N
         norm = math.sqrt(sq) if math.isfinite(sq) else math.nan
         reason = None
         if self.count == 0:
             reason, norm = "no items counted in the window", math.nan
-        elif not math.isfinite(total):
+        elif not math.isfinite(loss):
             reason = "non-finite loss"
         elif not math.isfinite(sq):
             reason = "non-finite gradient"
@@ -213,7 +220,7 @@ class PipelineWindow:
         pipe.optimizer.zero_grad(set_to_none=True)
         groups = pipe.optimizer.param_groups
         return StepStats(
-            loss=total / self.count if self.count else math.nan,
+            loss=loss if self.count else math.nan,
             count=self.count,
             grad_norm=norm,
             skipped=reason is not None,
