@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDPSync
 from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._warn import warn
 
 __all__ = ["make_sync"]
 
@@ -55,11 +55,10 @@ def make_sync(
     else:
         sync = Sync(model)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            warnings.warn(
+            warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
-                "model so that counts and gradients are combined over ranks.",
-                stacklevel=3,
+                "model so that counts and gradients are combined over ranks."
             )
         if process_group is not None:
             raise ValueError(
