@@ -27,6 +27,7 @@ DOCUMENTED = {
     "VerifyReport",
     "testing",
     "scale_lr",
+    "row_windows",
 }
 
 

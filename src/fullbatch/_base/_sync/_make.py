@@ -13,6 +13,7 @@ from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDPSync
 from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
 __all__ = ["make_sync"]
@@ -51,6 +52,7 @@ def make_sync(
     if isinstance(model, DistributedDataParallel):
         sync = DDPSync(model, ddp_sync, grad_divisor)
     elif isinstance(model, FSDPModule):
+        check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
