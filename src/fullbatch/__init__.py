@@ -23,12 +23,15 @@ if TYPE_CHECKING:
     from fullbatch._base._stats import StepStats
     from fullbatch._engine._accumulator import Accumulator
     from fullbatch._engine._window import Window
+    from fullbatch._pipeline import Pipeline, PipelineLoss
     from fullbatch._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "Pipeline",
+    "PipelineLoss",
     "StepStats",
     "VerifyReport",
     "Window",
@@ -45,6 +48,8 @@ __all__ = [
 # public name -> the private module that defines it (a module itself when the name is "")
 _LAZY = {
     "Accumulator": "fullbatch._engine._accumulator",
+    "Pipeline": "fullbatch._pipeline",
+    "PipelineLoss": "fullbatch._pipeline",
     "StepStats": "fullbatch._base._stats",
     "VerifyReport": "fullbatch._verify",
     "Window": "fullbatch._engine._window",
