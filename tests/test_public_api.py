@@ -25,6 +25,7 @@ DOCUMENTED = {
     "VerifyReport",
     "testing",
     "scale_lr",
+    "row_windows",
 }
 
 

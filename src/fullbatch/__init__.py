@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from fullbatch import testing
     from fullbatch._base._losses import causal_lm_loss, count_tokens, cross_entropy_sum
     from fullbatch._base._lr import scale_lr
+    from fullbatch._base._rows import row_windows
     from fullbatch._base._stats import StepStats
     from fullbatch._engine._accumulator import Accumulator
     from fullbatch._engine._window import Window
@@ -35,6 +36,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "row_windows",
     "scale_lr",
     "testing",
     "verify",
@@ -49,6 +51,7 @@ _LAZY = {
     "causal_lm_loss": "fullbatch._base._losses",
     "count_tokens": "fullbatch._base._losses",
     "cross_entropy_sum": "fullbatch._base._losses",
+    "row_windows": "fullbatch._base._rows",
     "scale_lr": "fullbatch._base._lr",
     "testing": "fullbatch.testing",
     "verify": "fullbatch._verify",

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
 __all__ = ["Sync", "all_reduce_over", "make_sync"]
@@ -270,6 +271,7 @@ def make_sync(
     if isinstance(model, DistributedDataParallel):
         sync = _DDPSync(model, ddp_sync, grad_divisor)
     elif isinstance(model, FSDPModule):
+        check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = _FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)

@@ -17,6 +17,7 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._mistakes import MistakeChecks, warn_untrained
 from fullbatch._engine._open import open_window
 from fullbatch._engine._options import (
     check_options,
@@ -162,6 +163,7 @@ class Accumulator:
         precision = make_grad_buffers(accumulate_dtype, params, sync, scaler)
         window_bn = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
+        warn_untrained(model, optimizer)
         self._engine = Engine(
             model=model,
             optimizer=optimizer,
@@ -185,6 +187,7 @@ class Accumulator:
             sort_rows=sort_rows,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             stat_device=params[0].device if sync.group is None else sync.device,
+            mistakes=MistakeChecks(optimizer, scheduler=scheduler),
         )
         self._resume = Resume(self._engine)
 

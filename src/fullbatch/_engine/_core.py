@@ -21,6 +21,7 @@ from fullbatch._base._sync import Sync
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._mistakes import MistakeChecks
 from fullbatch._engine._precision import GradBuffers
 from fullbatch._engine._prepared import Prepared
 from fullbatch._engine._state import WindowState
@@ -59,6 +60,7 @@ class Engine:
     sort_rows: bool
     max_grad_norm: float | None
     stat_device: torch.device
+    mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
     steps: int = 0
     skipped_windows: int = 0
     loss_scale: float | None = None  # c of the next window; None before the first

@@ -87,6 +87,7 @@ class Window:
         micro, self._state.current_final, self._state.current_padding = item
         self._state.current_backwards = 0
         self._state.yielded += 1
+        self._engine.mistakes.see(micro)
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
         self._engine.sync.begin(self._state.current_final)
         return micro
@@ -111,6 +112,7 @@ class Window:
                 "window.totals needs counts= on the Accumulator, e.g. "
                 "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
             )
+        self._engine.mistakes.totals_read(self)
         return dict(self._state.totals)
 
     # -- backward --------------------------------------------------------------------------
@@ -181,6 +183,10 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
+        error = self._engine.mistakes.before_backward(self, count)
+        if error is not None:  # a migration mistake (_mistakes.py), caught before backward
+            abandon_locally(self)
+            raise error
         if loss.dim():
             loss = loss.reshape(())
         if self._state.current_padding:
