@@ -74,15 +74,41 @@ def resume_run(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     fresh[0].load_state_dict(states[0])
     fresh[1].load_state_dict(states[1])
     fresh[2].load_state_dict(acc_state)
+    refused = _wrong_position(fresh, data, acc_state, rank, spec.get("wrong_rank"))
     assert not _loop(fresh, data[acc_state["loader_items"] :])
     window = acc_state["window"]
     return {
+        "refused": refused,
         "uninterrupted": uninterrupted,
         "resumed": _full_params(fresh[0]),
         "loader_items": acc_state["loader_items"],
         "done": None if window is None else window["micro_batches_done"],
         "grads": [] if window is None else sorted(window["grads"]),
     }
+
+
+def _wrong_position(
+    objs: tuple[Any, ...], data: list[Any], state: dict[str, Any], rank: int, wrong: Any
+) -> str:
+    """Resume with rank ``wrong``'s loader one item late: every rank must raise ValueError
+    (agreed in the window-start exchange) with parameters and optimizer state unchanged."""
+    if wrong is None:
+        return ""
+    model, opt, _ = objs
+    params = [p.detach().clone() for p in model.parameters()]
+    moments = [t.clone() for s in opt.state.values() for t in s.values()]
+    start = state["loader_items"] + (1 if rank == wrong else 0)
+    try:
+        _loop(objs, data[start:])
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a loader at the wrong position was accepted")
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    after = [t for s in opt.state.values() for t in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(moments, after, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    return message
 
 
 def refused_world(rank: int, world: int, wrapper: str) -> str:

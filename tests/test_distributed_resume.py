@@ -42,6 +42,17 @@ def test_resume_equals_uninterrupted(wrapper: str, options: dict, stop: tuple) -
             assert res["done"] == stop[1] and res["grads"]  # gradients travelled
 
 
+def test_a_loader_at_the_wrong_position_on_one_rank_is_refused_on_every_rank() -> None:
+    """Rank 1 resumes one item late: both ranks raise (the window-start exchange carries the
+    check), nothing changes, and the correct resume that follows equals the uninterrupted run."""
+    spec = {"wrapper": "ddp", "layout": LAYOUT, "k": 3, "options": {}, "stop": (1, 2)}
+    spec["wrong_rank"] = 1
+    for res in values(run_ranks(cases.resume_run, 2, spec)):
+        assert "does not start at state['loader_items'] = 3 on rank(s) [1]" in res["refused"]
+        got, want = res["resumed"], res["uninterrupted"]
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
+
+
 @pytest.mark.parametrize(
     ("wrapper", "options"), [("ddp", {}), ("fsdp", {"fsdp_sync": "micro_batch"})]
 )
