@@ -15,6 +15,8 @@ from fullbatch._guards import LoopGuard
 from fullbatch._hooks import WindowHooks
 from fullbatch._options import check_options, check_packing, check_window_size, trained_params
 from fullbatch._pack import Lengths, make_splitter
+from fullbatch._pack_check import FirstWindowCheck
+from fullbatch._packed import check_pack, make_packer
 from fullbatch._precision import make_grad_buffers
 from fullbatch._prepared import Prepared, check_loader
 from fullbatch._resume import Resume
@@ -60,6 +62,18 @@ class Accumulator:
             tensors with rows first follow their rows; other leaves go to every micro-batch.
             A mask that is not right-padded (left padding) is regrouped but not trimmed
             (still exact; warned once). A missing key raises ``ValueError``.
+        pack: with ``micro_batch_tokens=T``: pack each window's rows (right-padded) first-fit-
+            decreasing into micro-batches of at most ``T`` real tokens, each one packed row
+            (``position_ids`` restarting at every row, each row's first label ``-100``, no
+            ``attention_mask``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``use_cache=False``):
+            no padding is computed. Exact only where the model's attention honours the row
+            boundaries: :meth:`Window.run` checks that on the first packed window and raises
+            before anything changes when they are not. Rows are never split; per-row tensors
+            are refused.
+        verify_pack: with ``pack=True``, let :meth:`Window.run` check packing on the first
+            window holding a micro-batch of two rows (about one window's cost, once; the plain
+            ``for micro in window`` loop never checks: run ``fb.verify(..., pack=True)``).
+            ``False`` skips it.
         scheduler: stepped once per optimizer step (not on skipped windows). An Accelerate
             ``AcceleratedScheduler`` keeps its own rule (``num_processes`` inner steps per
             optimizer step unless ``split_batches``).
@@ -124,6 +138,8 @@ class Accumulator:
         sort_rows: bool = False,
         lengths: Lengths = "attention_mask",
         accumulate_dtype: torch.dtype | None = None,
+        pack: bool = False,
+        verify_pack: bool = True,
     ) -> None:
         self._micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
@@ -132,7 +148,15 @@ class Accumulator:
         self._micro_batch_size = size if isinstance(size, int) else None
         self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
-        self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
+        self._pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
+        if self._pack:
+            assert tokens is not None
+            self._split, self._auto = make_packer(tokens, lengths)
+        else:
+            self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
+        if not isinstance(verify_pack, bool):
+            raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
+        self._pack_check = FirstWindowCheck() if self._pack and verify_pack else None
         self._sort_rows = sort_rows
         if self._auto is not None:
             ddp_sync = self._auto.ddp_sync(model, ddp_sync)

@@ -75,6 +75,9 @@ def abandon_locally(window: Window) -> None:
 
 def run_window(window: Window, fn: MicroBatchFn) -> StepStats:
     """The body of :meth:`Window.run`."""
+    check = window._acc._pack_check
+    if check is not None and check.pending:  # pack=True: proven before anything changes
+        check(window, fn)
     if window._acc._auto is not None:
         from fullbatch._auto import run_auto
 

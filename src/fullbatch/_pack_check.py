@@ -1,0 +1,77 @@
+"""The packing check of ``window.run(fn)`` with ``pack=True``: before the first packed window
+changes anything, its first micro-batch holding two rows or more is run packed and padded
+through ``fn`` (see :mod:`fullbatch._verify._packing`). A failure abandons the window and
+raises ``ValueError`` with the cause; parameters, gradients, optimizer state and the RNG are
+untouched. Cost: about one window, once. Opt out with ``Accumulator(..., verify_pack=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from fullbatch._window import Window
+
+__all__ = ["FirstWindowCheck"]
+
+
+class FirstWindowCheck:
+    """Pending until one window had a micro-batch with two rows (then checked once)."""
+
+    def __init__(self) -> None:
+        self.pending = True
+        self.report: Any = None
+
+    def __call__(self, window: Window, fn: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        from fullbatch._run import abandon_locally
+        from fullbatch._verify._packing import check_packed
+        from fullbatch._verify._state import ModelSnapshot, disable_dropout
+
+        model = window._acc.model
+        if isinstance(model, FSDPModule):
+            self.pending = False
+            warnings.warn(
+                "pack=True under FSDP2: window.run cannot check packing on sharded "
+                "parameters; run fb.verify(model, batch, loss_fn, micro_batch_tokens=T, "
+                "pack=True) on the model before fully_shard (Accumulator(..., "
+                "verify_pack=False) silences this).",
+                stacklevel=4,
+            )
+            return
+        micros = [m for m in window._feed.real if isinstance(m, dict)]
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) else None
+        snapshot = ModelSnapshot.capture(model)
+        dropout = disable_dropout(model)
+
+        def call(micro: Any) -> Any:
+            out = fn(micro)
+            return (out, 1.0) if isinstance(out, torch.Tensor) else out
+
+        try:
+            with torch.enable_grad(), sync or contextlib.nullcontext():
+                report = check_packed(model, call, micros, limit=1)
+        except BaseException:
+            dropout.restore()
+            snapshot.restore()
+            abandon_locally(window)
+            raise
+        dropout.restore()
+        snapshot.restore()
+        if report is None:
+            return  # no micro-batch with two rows yet: the next window is checked
+        self.pending = False
+        self.report = report
+        if not report.passed:
+            abandon_locally(window)
+            raise ValueError(
+                "pack=True: packing does not respect the row boundaries on this model, so "
+                "training on packed micro-batches would not be the full-batch step; nothing "
+                f"was changed.\n{report}"
+            )
