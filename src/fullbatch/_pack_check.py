@@ -8,6 +8,7 @@ untouched. Cost: about one window, once. Opt out with ``Accumulator(..., verify_
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,7 @@ class FirstWindowCheck:
 
         try:
             with torch.enable_grad(), sync or contextlib.nullcontext():
-                report = check_packed(model, call, micros, limit=1)
+                report = self._check(window, model, call, micros, check_packed)
         except BaseException:
             dropout.restore()
             snapshot.restore()
@@ -75,3 +76,27 @@ class FirstWindowCheck:
                 "training on packed micro-batches would not be the full-batch step; nothing "
                 f"was changed.\n{report}"
             )
+
+    @staticmethod
+    def _check(window: Window, model: Any, call: Any, micros: list[Any], check: Any) -> Any:
+        """``check_packed`` on the first micro-batch with two rows or more. Its padded arm
+        needs up to rows x longest row tokens: on an out-of-memory error it checks the
+        micro-batch's shorter half of rows, down to its two shortest."""
+        from fullbatch._verify._packing import repack
+
+        multi = [m for m in micros if len(m["cu_seq_lens_q"]) > 2]
+        if not multi:
+            return None
+        micro = multi[0]
+        rows = len(micro["cu_seq_lens_q"]) - 1
+        keep = rows
+        while True:
+            try:
+                return check(model, call, [repack(micro, range(rows - keep, rows))], limit=1)
+            except torch.OutOfMemoryError:
+                if keep <= 2:
+                    raise
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            keep = max(keep // 2, 2)

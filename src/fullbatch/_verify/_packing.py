@@ -30,7 +30,7 @@ from torch import nn
 
 from fullbatch._packed import IGNORE
 
-__all__ = ["PackingReport", "check_packed", "unpack"]
+__all__ = ["PackingReport", "check_packed", "repack", "unpack"]
 
 Call = Callable[[Any], Any]  # micro -> (loss_sum, count)
 _BUILT = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -116,6 +116,33 @@ def unpack(micro: dict[str, Any], rows: Sequence[int] | None = None) -> dict[str
     positions = torch.arange(width, device=device)
     out["attention_mask"] = (positions < lengths[:, None]).long()
     out["position_ids"] = positions.expand(len(rows), width)
+    return out
+
+
+def repack(micro: dict[str, Any], rows: Sequence[int]) -> dict[str, Any]:
+    """A packed micro-batch of some of ``micro``'s rows (in the order given).
+
+    >>> from fullbatch._packed import RowPacker
+    >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    >>> packed = RowPacker(micro_batch_tokens=9)({"input_ids": mask * 5, "attention_mask": mask})
+    >>> repack(packed[0], [1, 2])["position_ids"].tolist()
+    [[0, 1, 0]]
+    """
+    sizes = _sizes(micro)
+    n = sum(sizes)
+    bounds = micro["cu_seq_lens_q"].tolist()
+    keep = [sizes[r] for r in rows]
+    out: dict[str, Any] = {}
+    for key, value in micro.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, n):
+            out[key] = torch.cat([value[:, bounds[r] : bounds[r + 1]] for r in rows], dim=1)
+        else:
+            out[key] = value
+    device = micro["cu_seq_lens_q"].device
+    cu = torch.zeros(len(keep) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(keep).cumsum(0)
+    out["cu_seq_lens_q"], out["cu_seq_lens_k"] = cu.to(device), cu.clone().to(device)
+    out["max_length_q"] = out["max_length_k"] = max(keep)
     return out
 
 
