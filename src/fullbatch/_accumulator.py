@@ -149,6 +149,7 @@ class Accumulator:
         self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
         self._pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
+        self._split: Callable[[Any], list[Any]]
         if self._pack:
             assert tokens is not None
             self._split, self._auto = make_packer(tokens, lengths)

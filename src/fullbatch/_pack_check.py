@@ -47,7 +47,11 @@ class FirstWindowCheck:
             )
             return
         micros = [m for m in window._feed.real if isinstance(m, dict)]
-        sync = model.no_sync() if isinstance(model, DistributedDataParallel) else None
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        # Under DDP no collective may run here (ranks check different rows): no gradient
+        # sync, and no buffer broadcast in the forward (DDP's require_forward_param_sync).
+        sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+        broadcast = ddp.require_forward_param_sync if ddp is not None else False
         snapshot = ModelSnapshot.capture(model)
         dropout = disable_dropout(model)
 
@@ -56,15 +60,18 @@ class FirstWindowCheck:
             return (out, 1.0) if isinstance(out, torch.Tensor) else out
 
         try:
-            with torch.enable_grad(), sync or contextlib.nullcontext():
-                report = self._check(window, model, call, micros, check_packed)
+            if ddp is not None:
+                ddp.require_forward_param_sync = False
+            with torch.enable_grad(), sync:
+                report = self._check(model, call, micros, check_packed)
         except BaseException:
-            dropout.restore()
-            snapshot.restore()
             abandon_locally(window)
             raise
-        dropout.restore()
-        snapshot.restore()
+        finally:
+            if ddp is not None:
+                ddp.require_forward_param_sync = broadcast
+            dropout.restore()
+            snapshot.restore()
         if report is None:
             return  # no micro-batch with two rows yet: the next window is checked
         self.pending = False
@@ -78,7 +85,7 @@ class FirstWindowCheck:
             )
 
     @staticmethod
-    def _check(window: Window, model: Any, call: Any, micros: list[Any], check: Any) -> Any:
+    def _check(model: Any, call: Any, micros: list[Any], check: Any) -> Any:
         """``check_packed`` on the first micro-batch with two rows or more. Its padded arm
         needs up to rows x longest row tokens: on an out-of-memory error it checks the
         micro-batch's shorter half of rows, down to its two shortest."""

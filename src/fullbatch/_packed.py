@@ -100,7 +100,7 @@ class RowPacker:
             ValueError: ``item`` is not a dict of tensors, is not right-padded, holds
                 per-row tensors or its own ``position_ids``, or its lengths cannot be read.
         """
-        item, lengths, width = self._read(item)
+        item, lengths, _ = self._read(item)
         if lengths is None:
             return []
         budget = self.micro_batch_tokens

@@ -20,6 +20,7 @@ ignores ``position_ids``, a model without ``position_ids``, a sliding window.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class PackingReport:
 
 def _sizes(micro: dict[str, Any]) -> list[int]:
     bounds = micro["cu_seq_lens_q"].tolist()
-    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def unpack(micro: dict[str, Any], rows: Sequence[int] | None = None) -> dict[str, Any]:
@@ -174,7 +175,9 @@ def _embeddings(model: nn.Module, n: int) -> Iterator[list[torch.Tensor]]:
             return leaf
         return None
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Embedding)]
+    handles = [
+        m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Embedding)
+    ]
     try:
         yield seen
     finally:
@@ -182,7 +185,7 @@ def _embeddings(model: nn.Module, n: int) -> Iterator[list[torch.Tensor]]:
             h.remove()
 
 
-def _grad(call: Call, micros: list[dict[str, Any]], params: list[torch.Tensor]) -> torch.Tensor:
+def _grad(call: Call, micros: list[dict[str, Any]], params: Sequence[torch.Tensor]) -> torch.Tensor:
     grads: list[torch.Tensor] | None = None
     for micro in micros:
         loss, _ = call(micro)
@@ -218,6 +221,17 @@ def _probe(model: nn.Module, call: Call, micro: dict[str, Any], row: int) -> flo
     return worst
 
 
+def _probes(model: nn.Module, call: Call, micro: dict[str, Any]) -> tuple[Any, Any]:
+    """``(first row's probe, last probed row's)``: the last row whose labels count anything."""
+    rows = len(_sizes(micro))
+    last = None
+    for r in range(rows - 1, 0, -1):
+        last = _probe(model, call, micro, r)
+        if last is not None:
+            break
+    return _probe(model, call, micro, 0), last
+
+
 def check_packed(
     model: nn.Module, call: Call, micros: list[dict[str, Any]], *, limit: int | None = None
 ) -> PackingReport | None:
@@ -236,13 +250,11 @@ def check_packed(
     try:
         try:
             packed = _grad(call, multi, params)
-        except TypeError as error:
-            return _cannot(model, error)
+        except TypeError as refused:
+            return _cannot(model, refused)
         padded = _grad(call, [unpack(m) for m in multi], params)
-        alone = _grad(
-            call, [unpack(m, [r]) for m in multi for r in range(len(_sizes(m)))], params
-        )
-        probes = [_probe(model, call, m, r) for m in multi for r in (0, len(_sizes(m)) - 1)]
+        alone = _grad(call, [unpack(m, [r]) for m in multi for r in range(len(_sizes(m)))], params)
+        probes = [p for m in multi for p in _probes(model, call, m)]
     finally:
         calls.remove()
     norm = float(padded.norm()) or 1.0

@@ -31,7 +31,6 @@ from fullbatch._verify._precision import (
     widen_tolerance,
     working_copy,
 )
-from fullbatch._verify._report import VerifyReport
 from fullbatch._verify._state import ModelSnapshot, disable_dropout
 from fullbatch._verify._verdict import Runs, build_report
 
