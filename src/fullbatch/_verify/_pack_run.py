@@ -14,7 +14,7 @@ from fullbatch._verify._packing import PackingReport, check_packed
 from fullbatch._verify._precision import working_copy
 from fullbatch._verify._state import ModelSnapshot, disable_dropout
 
-__all__ = ["verify_packing"]
+__all__ = ["packed_loss_fn", "verify_packing"]
 
 
 def verify_packing(
@@ -84,3 +84,13 @@ def verify_packing(
         report.causes,
         report.notes + extra,
     )
+
+
+def packed_loss_fn(model: nn.Module, micro: Any) -> Any:
+    """``fullbatch verify --pack``'s default loss: the documented packed call, every key but
+    ``labels`` to the model, then next-token cross-entropy summed over the counted labels."""
+    from fullbatch._losses import causal_lm_loss
+    from fullbatch._verify._load import _logits
+
+    output = model(**{k: v for k, v in micro.items() if k != "labels"})
+    return causal_lm_loss(_logits(output, micro["input_ids"]), micro["labels"])
