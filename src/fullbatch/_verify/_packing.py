@@ -297,6 +297,12 @@ def _cannot(model: nn.Module, error: TypeError) -> PackingReport:
 def _causes(
     model: nn.Module, calls: _Calls, micros: list[dict[str, Any]], from_later: bool
 ) -> list[str]:
+    if from_later:  # a causal model never lets a row's loss reach later rows, even with a leak
+        return [
+            "an encoder that ignores position_ids for its mask: a row's loss reaches later "
+            "rows, so attention is bidirectional over the whole packed row (BERT-style "
+            "encoders). It cannot pack; use pack=False (sorted and trimmed rows, exact)."
+        ]
     config = _config(model)
     kwargs = calls.kwargs or {}
     out = []
@@ -334,12 +340,6 @@ def _causes(
             "position_ids not passed: the model sees one long sequence. Pass "
             "micro['position_ids'] (model(**{k: v for k, v in micro.items() if k != "
             "'labels'}) does)."
-        )
-    if from_later and not out:
-        out.append(
-            "an encoder that ignores position_ids for its mask: a row's loss reaches later "
-            "rows, so attention is bidirectional over the whole packed row (BERT-style "
-            "encoders). It cannot pack; use pack=False (sorted and trimmed rows, exact)."
         )
     window = getattr(config, "sliding_window", None)
     if not out and isinstance(window, int) and window < longest:
