@@ -252,6 +252,22 @@ def test_items_that_cannot_pack_are_refused_before_anything_changes(make, match)
     assert all(p.grad is None for p in model.parameters()) and not opt.state
 
 
+def test_run_coupled_is_refused_before_anything_changes() -> None:
+    model = make_lm()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.Accumulator(model, opt, micro_batch_tokens=16, pack=True) as acc:
+        windows = acc.windows([window(), window(seed=1)])
+        win = next(windows)
+        with pytest.raises(ValueError, match="run_coupled needs representations.*without pack"):
+            win.run_coupled(lambda m: model.embed(m["input_ids"]), lambda r, rows: (r.sum(), 1))
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert all(p.grad is None for p in model.parameters())
+        stats = next(windows).run(lambda m: fb_loss(model, m))  # the next window trains
+    assert stats.count > 0 and acc.steps == 1
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
 def test_packer_direct_and_empty() -> None:
     batch = window(lengths=[0, 0, 0])
     assert RowPacker(micro_batch_tokens=4)(batch) == []

@@ -28,8 +28,16 @@ from fullbatch._split import collate_rows, count_rows
 
 if TYPE_CHECKING:
     from fullbatch._auto import AutoSize
+    from fullbatch._window import Window
 
-__all__ = ["IGNORE", "RowPacker", "check_pack", "first_fit_decreasing", "make_packer"]
+__all__ = [
+    "IGNORE",
+    "RowPacker",
+    "check_pack",
+    "first_fit_decreasing",
+    "make_packer",
+    "refuse_coupled",
+]
 
 IGNORE = -100
 _BUILT = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -220,3 +228,15 @@ def make_packer(
         return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
     packer.micro_batch_tokens = int(micro_batch_tokens)
     return packer, None
+
+
+def refuse_coupled(window: Window) -> None:
+    """``window.run_coupled`` with ``pack=True``: refused (window abandoned, nothing changed)."""
+    from fullbatch._run import abandon_locally
+
+    abandon_locally(window)
+    raise ValueError(
+        "window.run_coupled needs representations with one row per example, but pack=True "
+        "puts a micro-batch's rows into one packed row. Use micro_batch_tokens=T without "
+        "pack (sorted and trimmed rows) for coupled losses."
+    )

@@ -342,6 +342,10 @@ class Window:
         from fullbatch._coupled import run_coupled
 
         self._check_open("run_coupled()")
+        if self._acc._pack:
+            from fullbatch._packed import refuse_coupled
+
+            refuse_coupled(self)
         return run_coupled(self, encode, loss)
 
     # -- the end of the window -------------------------------------------------------------
