@@ -259,7 +259,7 @@ def test_run_coupled_is_refused_before_anything_changes() -> None:
     with fb.Accumulator(model, opt, micro_batch_tokens=16, pack=True) as acc:
         windows = acc.windows([window(), window(seed=1)])
         win = next(windows)
-        with pytest.raises(ValueError, match="run_coupled needs representations.*without pack"):
+        with pytest.raises(ValueError, match=r"run_coupled needs representations.*without pack"):
             win.run_coupled(lambda m: model.embed(m["input_ids"]), lambda r, rows: (r.sum(), 1))
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
         assert all(p.grad is None for p in model.parameters())
