@@ -188,7 +188,7 @@ def train_packed(rank: int, world: int, wrapper: str, windows: int) -> dict[str,
                     res["params"].append(_full(model))
                     res["real"].append(real)
                     res["padding"].append(padding)
-        check = acc._pack_check
+        check = acc._engine.pack_check
         res["report"] = None if check is None or check.report is None else check.report.passed
         res["collectives"] = calls["n"]
         # torch's own FSDP2 notes (view tensors returned) are not fullbatch's

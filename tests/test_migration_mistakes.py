@@ -26,7 +26,7 @@ from conftest import (
     rel_err,
     sgd_update,
 )
-from fullbatch._split import count_rows
+from fullbatch._base._split import count_rows
 
 # -- 1. a loader item that is a list of per-row dicts -------------------------------------------
 

@@ -23,7 +23,7 @@ from conftest import (
     rel_err,
     sgd_update,
 )
-from fullbatch._pack import Packer
+from fullbatch._base._pack import Packer
 
 LENGTHS = [3, 11, 1, 7, 2, 9, 5, 6, 4, 10]  # 10 rows, longest 11
 WIDTH = 16  # padded wider than the longest row

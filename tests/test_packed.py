@@ -12,7 +12,7 @@ import torch
 
 import fullbatch as fb
 from conftest import IGNORE, fb_loss, full_batch_reference, lm_batch, make_lm, rel_err, sgd_update
-from fullbatch._packed import RowPacker, first_fit_decreasing
+from fullbatch._base._packed import RowPacker, first_fit_decreasing
 
 LENGTHS = [3, 11, 1, 7, 2, 9, 5, 6, 4, 10, 0]  # 11 rows (one empty), longest 11
 WIDTH = 16
@@ -142,7 +142,7 @@ def test_auto_budget_equals_the_found_budget_and_the_full_batch() -> None:
                 out.append(win.run(lambda m: fb.causal_lm_loss(model(m["input_ids"]), m["labels"])))
                 found.append(acc.micro_batch_tokens)
             if check:
-                assert acc._pack_check is not None and acc._pack_check.report.passed
+                assert acc._engine.pack_check is not None and acc._engine.pack_check.report.passed
         return out, [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
 
     stats, update = run("auto")

@@ -153,7 +153,7 @@ def test_packed_steps_equal_the_full_batch(kind: str) -> None:
     band = worst(unpacked, want)
     assert worst(got, want) <= 2 * band + 1e-12, (worst(got, want), band)
     assert worst(got, unpacked) < 1e-10  # same loss scale: only the packing differs
-    report = acc._pack_check.report
+    report = acc._engine.pack_check.report
     assert report.passed and report.leak == 0.0 and report.grad_error <= report.tolerance
 
 

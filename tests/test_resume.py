@@ -75,7 +75,7 @@ def train(
             return save(*objs)
         for j, micro in enumerate(window):
             loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-            if acc._counts is not None:  # up-front normalization: shares of window.totals
+            if acc._engine.counts is not None:  # up-front normalization: shares of window.totals
                 window.backward(loss_sum / window.totals["items"])
             else:
                 window.backward(loss_sum, n)
@@ -132,7 +132,7 @@ def test_resume_is_bitwise(mode: str, stop: tuple[int, int | None]) -> None:
     fresh = resumed(mode, stop)
     assert_bitwise(model, fresh[0])
     assert fresh[3].steps == acc.steps
-    assert fresh[2].last_epoch == acc._scheduler.last_epoch
+    assert fresh[2].last_epoch == acc._engine.scheduler.last_epoch
 
 
 def test_resume_matches_the_full_batch_reference() -> None:
@@ -227,7 +227,7 @@ def mid_window_state(mode: str = "micro_batches") -> dict[str, Any]:
 
 
 def unchanged(acc: fb.Accumulator) -> tuple[Any, ...]:
-    return (acc.steps, acc.skipped_windows, acc._loss_scale, acc._resume._pending)
+    return (acc.steps, acc.skipped_windows, acc._engine.loss_scale, acc._resume._pending)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 
 import fullbatch as fb
 from conftest import class_batch, fb_loss, make_mlp
-from fullbatch._split import count_rows, split_rows
+from fullbatch._base._split import count_rows, split_rows
 
 
 class Pair(NamedTuple):

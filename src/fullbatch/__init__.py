@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fullbatch import testing
-    from fullbatch._accumulator import Accumulator
-    from fullbatch._losses import causal_lm_loss, count_tokens, cross_entropy_sum
-    from fullbatch._lr import scale_lr
-    from fullbatch._stats import StepStats
+    from fullbatch._base._losses import causal_lm_loss, count_tokens, cross_entropy_sum
+    from fullbatch._base._lr import scale_lr
+    from fullbatch._base._stats import StepStats
+    from fullbatch._engine._accumulator import Accumulator
+    from fullbatch._engine._window import Window
     from fullbatch._verify import VerifyReport, verify
-    from fullbatch._window import Window
 
 __version__ = "0.1.0"
 
@@ -42,14 +42,14 @@ __all__ = [
 
 # public name -> the private module that defines it (a module itself when the name is "")
 _LAZY = {
-    "Accumulator": "fullbatch._accumulator",
-    "StepStats": "fullbatch._stats",
+    "Accumulator": "fullbatch._engine._accumulator",
+    "StepStats": "fullbatch._base._stats",
     "VerifyReport": "fullbatch._verify",
-    "Window": "fullbatch._window",
-    "causal_lm_loss": "fullbatch._losses",
-    "count_tokens": "fullbatch._losses",
-    "cross_entropy_sum": "fullbatch._losses",
-    "scale_lr": "fullbatch._lr",
+    "Window": "fullbatch._engine._window",
+    "causal_lm_loss": "fullbatch._base._losses",
+    "count_tokens": "fullbatch._base._losses",
+    "cross_entropy_sum": "fullbatch._base._losses",
+    "scale_lr": "fullbatch._base._lr",
     "testing": "fullbatch.testing",
     "verify": "fullbatch._verify",
 }

@@ -49,10 +49,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
     ) from exc
 
-from fullbatch._hf_check import TrainerCheck, check_trainer
-from fullbatch._losses import cross_entropy_sum
-from fullbatch._normalize import check_count
-from fullbatch._schedule import KeptSchedule
+from fullbatch._base._losses import cross_entropy_sum
+from fullbatch._base._normalize import check_count, grad_factor
+from fullbatch._base._schedule import KeptSchedule
+from fullbatch._verify._hf_check import TrainerCheck, check_trainer
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
@@ -307,7 +307,9 @@ class ExactTrainer(Trainer):
             return torch.full((), math.nan, device=self.args.device)
         # DDP averaged over `world` ranks; accelerate divided by its own accumulation steps.
         divided = world if isinstance(model, torch.nn.parallel.DistributedDataParallel) else 1
-        scale = divided * self.accelerator.gradient_accumulation_steps / (self._fb_c * count)
+        scale = grad_factor(
+            divided * self.accelerator.gradient_accumulation_steps, count, self._fb_c
+        )
         if grads:
             torch._foreach_mul_(grads, scale)
         self._fb_c = 1.0 / count

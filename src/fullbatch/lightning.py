@@ -46,8 +46,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
             'package); install it with: pip install "fullbatch[lightning]"'
         ) from exc
 
-from fullbatch._normalize import check_count
-from fullbatch._schedule import KeptSchedule
+from fullbatch._base._normalize import check_count, grad_factor
+from fullbatch._base._schedule import KeptSchedule
+from fullbatch._base._sync import all_reduce_over
 
 __all__ = ["ExactAccumulation"]
 
@@ -304,11 +305,9 @@ class ExactAccumulation(pl.Callback):
         world = 1.0
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
-            import torch.distributed as dist
-
             group = getattr(strategy.model, "process_group", None)
-            dist.all_reduce(local, group=group)  # Σ loss, Σ count, bad counts over ranks
-            world = float(dist.get_world_size(group))
+            # Σ loss, Σ count, bad counts over ranks
+            world = float(all_reduce_over(local, group))
         if self.grad_divisor is not None:
             world = float(self.grad_divisor)
         total_loss, total_count, bad = local.tolist()  # the one host sync per window
@@ -340,7 +339,7 @@ class ExactAccumulation(pl.Callback):
             )
             return
         # Lightning backpropagated loss_sum / K; DDP averaged over `world` ranks.
-        factor = divisors.pop() * world / total_count
+        factor = grad_factor(divisors.pop() * world, total_count)
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:

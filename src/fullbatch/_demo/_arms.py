@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 import fullbatch as fb
-from fullbatch._recorder import GradientRecorder
-from fullbatch._split import split_rows
+from fullbatch._base._split import split_rows
+from fullbatch._verify._recorder import GradientRecorder
 
 __all__ = [
     "Arm",

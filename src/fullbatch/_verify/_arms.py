@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._accumulator import Accumulator
-from fullbatch._recorder import GradientRecorder
-from fullbatch._split import count_rows, take_rows
+from fullbatch._base._split import count_rows, take_rows
+from fullbatch._engine._accumulator import Accumulator
+from fullbatch._verify._recorder import GradientRecorder
 
 __all__ = [
     "ArmResult",

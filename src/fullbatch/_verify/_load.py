@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._losses import causal_lm_loss
+from fullbatch._base._losses import causal_lm_loss
 
 __all__ = [
     "InputError",

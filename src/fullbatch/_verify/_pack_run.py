@@ -1,5 +1,5 @@
 """``fb.verify(model, batch, loss_fn, micro_batch_tokens=T, pack=True)``: does packing respect
-the row boundaries on the user's own model? See :mod:`fullbatch._verify._packing`."""
+the row boundaries on the user's own model? See :mod:`fullbatch._base._packcheck`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._pack import Lengths
-from fullbatch._packed import RowPacker
-from fullbatch._verify._packing import PackingReport, check_packed
+from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
+from fullbatch._base._losses import causal_lm_loss
+from fullbatch._base._pack import Lengths
+from fullbatch._base._packcheck import PackingReport, check_packed
+from fullbatch._base._packed import RowPacker
+from fullbatch._verify._load import _logits
 from fullbatch._verify._precision import working_copy
-from fullbatch._verify._state import ModelSnapshot, disable_dropout
 
 __all__ = ["packed_loss_fn", "verify_packing"]
 
@@ -89,8 +91,5 @@ def verify_packing(
 def packed_loss_fn(model: nn.Module, micro: Any) -> Any:
     """``fullbatch verify --pack``'s default loss: the documented packed call, every key but
     ``labels`` to the model, then next-token cross-entropy summed over the counted labels."""
-    from fullbatch._losses import causal_lm_loss
-    from fullbatch._verify._load import _logits
-
     output = model(**{k: v for k, v in micro.items() if k != "labels"})
     return causal_lm_loss(_logits(output, micro["input_ids"]), micro["labels"])

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._split import count_rows
+from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
+from fullbatch._base._split import count_rows
 from fullbatch._verify._additivity import check_additivity
 from fullbatch._verify._arms import (
     LossFn,
@@ -31,7 +32,6 @@ from fullbatch._verify._precision import (
     widen_tolerance,
     working_copy,
 )
-from fullbatch._verify._state import ModelSnapshot, disable_dropout
 from fullbatch._verify._verdict import Runs, build_report
 
 __all__ = ["verify"]

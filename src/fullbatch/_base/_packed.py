@@ -17,18 +17,15 @@ cannot follow their tokens into one packed row and are refused with the fix.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._pack import Lengths, Packer
-from fullbatch._split import collate_rows, count_rows
-
-if TYPE_CHECKING:
-    from fullbatch._auto import AutoSize
-    from fullbatch._window import Window
+from fullbatch._base._autosize import AutoSize
+from fullbatch._base._pack import Lengths, Packer
+from fullbatch._base._split import collate_rows, count_rows
+from fullbatch._base._warn import warn
 
 __all__ = [
     "IGNORE",
@@ -36,7 +33,6 @@ __all__ = [
     "check_pack",
     "first_fit_decreasing",
     "make_packer",
-    "refuse_coupled",
 ]
 
 IGNORE = -100
@@ -214,29 +210,15 @@ class RowPacker:
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, stacklevel=4)
+            warn(message)
 
 
 def make_packer(
     micro_batch_tokens: int | str, lengths: Lengths
 ) -> tuple[RowPacker, AutoSize | None]:
     """The Accumulator's splitter for ``pack=True``, and an :class:`AutoSize` for "auto"."""
-    from fullbatch._auto import AutoSize
-
     packer = RowPacker(micro_batch_tokens=1, lengths=lengths)
     if micro_batch_tokens == "auto":
         return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
     packer.micro_batch_tokens = int(micro_batch_tokens)
     return packer, None
-
-
-def refuse_coupled(window: Window) -> None:
-    """``window.run_coupled`` with ``pack=True``: refused (window abandoned, nothing changed)."""
-    from fullbatch._run import abandon_locally
-
-    abandon_locally(window)
-    raise ValueError(
-        "window.run_coupled needs representations with one row per example, but pack=True "
-        "puts a micro-batch's rows into one packed row. Use micro_batch_tokens=T without "
-        "pack (sorted and trimmed rows) for coupled losses."
-    )

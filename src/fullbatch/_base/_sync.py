@@ -20,8 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["Sync", "make_sync"]
+__all__ = ["Sync", "all_reduce_over", "make_sync"]
 
 DDP_SYNC_MODES = ("last", "step")
 FSDP_SYNC_MODES = ("window", "micro_batch")
@@ -225,8 +227,6 @@ class _FSDPSync(Sync):
 
     def forward_collective_modules(self) -> list[nn.Module]:
         # Every FSDP2 module all-gathers its parameters before its forward.
-        from torch.distributed.fsdp import FSDPModule
-
         modules: list[Any] = self.model.modules()
         return [m for m in modules if isinstance(m, FSDPModule) and isinstance(m, nn.Module)]
 
@@ -265,9 +265,6 @@ def make_sync(
     _check_mode("fsdp_sync", fsdp_sync, FSDP_SYNC_MODES)
     if grad_divisor is not None and not grad_divisor > 0:
         raise ValueError(f"grad_divisor must be > 0, got {grad_divisor!r}.")
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
     sync: Sync
     if isinstance(model, DistributedDataParallel):
         sync = _DDPSync(model, ddp_sync, grad_divisor)
@@ -297,3 +294,12 @@ def make_sync(
             "gradients over; drop process_group= or wrap the model with that group."
         )
     return sync
+
+
+def all_reduce_over(tensor: torch.Tensor, group: Any = None) -> int:
+    """Sum ``tensor`` in place over ``group`` (the default group for ``None``); its size.
+
+    For integrations whose framework owns the group (Lightning's DDP strategy).
+    """
+    dist.all_reduce(tensor, group=group)
+    return dist.get_world_size(group)

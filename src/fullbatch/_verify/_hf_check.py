@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from fullbatch._base._modelstate import disable_dropout
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._precision import TOLERANCES, dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
-from fullbatch._verify._state import disable_dropout
 
 __all__ = ["TrainerCheck", "check_trainer"]
 

@@ -23,6 +23,7 @@ __all__ = [
     "accumulation_dtype",
     "check_count",
     "estimate_items",
+    "grad_factor",
     "power_of_two_scale",
     "scale_grads",
     "squared_norm",
@@ -78,6 +79,23 @@ def power_of_two_scale(items: float) -> float:
     if not math.isfinite(items) or items <= 1:
         return 1.0
     return math.ldexp(1.0, -math.ceil(math.log2(items)))
+
+
+def grad_factor(divisor: float, count: float | None, loss_scale: float = 1.0) -> float:
+    """The one multiplier that turns accumulated gradients into the full-batch gradient.
+
+    ``divisor / (loss_scale · count)``: ``divisor`` undoes what the wrapper (and a framework's
+    own accumulation) divided by, ``loss_scale`` (``c``) what every loss was multiplied by, and
+    ``count`` is the window's ``N``. ``count=None`` is the share form (losses already divided
+    by their total): ``divisor`` alone. ``count=0`` gives 0 (the window is skipped). Used by
+    the engine's step and by the Trainer and Lightning integrations.
+
+    >>> grad_factor(2.0, 8.0, 0.125), grad_factor(2.0, None), grad_factor(4.0, 0.0)
+    (2.0, 2.0, 0.0)
+    """
+    if count is None:
+        return divisor
+    return divisor / (loss_scale * count) if count else 0.0
 
 
 def estimate_items(micro: Any) -> float:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._normalize import check_count
-from fullbatch._stats import StepStats
-from fullbatch._windows import Feed
-
-if TYPE_CHECKING:
-    from fullbatch._accumulator import Accumulator
+from fullbatch._base._normalize import check_count
+from fullbatch._base._stats import StepStats
+from fullbatch._engine._auto import run_auto
+from fullbatch._engine._core import Engine
+from fullbatch._engine._coupled import run_coupled
+from fullbatch._engine._pack_check import refuse_coupled
+from fullbatch._engine._run import abandon_locally, run_window
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._step import discard_window, step_window
 
 __all__ = ["Window"]
 
@@ -39,46 +42,30 @@ class Window:
             stats = window.step()
     """
 
-    def __init__(
-        self,
-        acc: Accumulator,
-        feed: Feed,
-        *,
-        index: int,
-        loss_scale: float,
-        totals: dict[str, float] | None,
-    ) -> None:
-        self._acc = acc
-        self._feed = feed
-        self.index = index
-        self.loss_scale = loss_scale
-        self._totals = totals
-        self._iterated = False
-        self._yielded = 0
-        self._exhausted = False
-        self._closed = False  # stepped or discarded
-        self._current_final = False
-        self._current_padding = False
-        self._current_backwards = 0
-        self._final_backward = False
-        self._backwards = 0
-        self._form: str | None = None  # "count" or "share"
-        self._losses: list[torch.Tensor] = []
-        self._count_py = 0.0
-        self._device_counts: list[torch.Tensor] = []
-        self._seeds: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        self._by_run = False  # iterated by window.run (needed by micro_batch_size="auto")
+    def __init__(self, engine: Engine, state: WindowState) -> None:
+        self._engine = engine
+        self._state = state
+
+    @property
+    def index(self) -> int:
+        """The window's position among this ``acc.windows(loader)``'s windows, from 0."""
+        return self._state.index
+
+    @property
+    def loss_scale(self) -> float:
+        """``c``: the power of two every count-form loss is multiplied by before backward."""
+        return self._state.loss_scale
 
     # -- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        if self._iterated:
+        if self._state.iterated:
             raise RuntimeError(
                 f"window {self.index} is being iterated a second time; a window yields its "
                 "micro-batches once. Keep them in a list inside the loop if you need them again."
             )
-        self._iterated = True
-        if self._acc._auto is not None and not self._by_run:
+        self._state.iterated = True
+        if self._engine.auto is not None and not self._state.by_run:
             raise RuntimeError(
                 "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
                 "per-micro-batch function to catch an out-of-memory error, and Python does not "
@@ -89,27 +76,27 @@ class Window:
         return self
 
     def __next__(self) -> Any:
-        self._acc._sync.end()
-        if self._closed:
+        self._engine.sync.end()
+        if self._state.closed:
             raise RuntimeError(f"window {self.index} was already stepped or discarded.")
-        item = self._feed.pop()
+        item = self._state.feed.pop()
         if item is None:
-            self._exhausted = True
+            self._state.exhausted = True
             raise StopIteration
-        micro, self._current_final, self._current_padding = item
-        self._current_backwards = 0
-        self._yielded += 1
+        micro, self._state.current_final, self._state.current_padding = item
+        self._state.current_backwards = 0
+        self._state.yielded += 1
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
-        self._acc._sync.begin(self._current_final)
+        self._engine.sync.begin(self._state.current_final)
         return micro
 
     def __len__(self) -> int:
-        return self._yielded + self._feed.remaining()
+        return self._state.yielded + self._state.feed.remaining()
 
     @property
     def is_padding(self) -> bool:
         """True while the current micro-batch is padding: its loss and count are ignored."""
-        return self._current_padding
+        return self._state.current_padding
 
     @property
     def totals(self) -> dict[str, float]:
@@ -118,17 +105,17 @@ class Window:
         Raises:
             RuntimeError: the Accumulator was built without ``counts=``.
         """
-        if self._totals is None:
+        if self._state.totals is None:
             raise RuntimeError(
                 "window.totals needs counts= on the Accumulator, e.g. "
                 "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
             )
-        return dict(self._totals)
+        return dict(self._state.totals)
 
     # -- backward --------------------------------------------------------------------------
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
+        if self._state.closed:
             raise RuntimeError(
                 f"{what} on window {self.index}, which was already stepped or discarded. "
                 "Use the next window from acc.windows(loader)."
@@ -153,21 +140,23 @@ class Window:
                 ``step()``/``discard()``), or a second backward on DDP's synced micro-batch.
         """
         self._check_open("backward()")
-        if self._exhausted or self._yielded == 0:
-            where = "after the window was exhausted" if self._exhausted else "before iterating"
+        if self._state.exhausted or self._state.yielded == 0:
+            where = (
+                "after the window was exhausted" if self._state.exhausted else "before iterating"
+            )
             raise RuntimeError(
                 f"backward() {where}: a backward belongs to the micro-batch the window last "
                 "yielded. Call it inside `for micro in window:`."
             )
         form = "share" if count is None else "count"
-        if form == "share" and self._acc._counts is None:
+        if form == "share" and self._engine.counts is None:
             raise ValueError(
                 "window.backward(loss) without a count needs counts= on the Accumulator: "
                 "without it the loss is almost surely a per-micro-batch mean, which weights "
                 "micro-batches wrongly. Pass the summed loss and its item count, e.g. "
                 "`loss_sum, n = fb.causal_lm_loss(logits, labels); window.backward(loss_sum, n)`."
             )
-        if self._form is not None and form != self._form:
+        if self._state.form is not None and form != self._state.form:
             raise ValueError(
                 "this window mixes backward(loss, count) and backward(share) calls; use one "
                 "form per window: with a count for summed losses, or without for shares "
@@ -181,11 +170,11 @@ class Window:
                 "loss does not require grad: it was computed under torch.no_grad() or from "
                 "detached tensors, so backward would change nothing."
             )
-        guard = self._acc._guard
+        guard = self._engine.guard
         if not guard.gradients_intact():
             self._abandon_cleared("between two window.backward calls")
-        sync = self._acc._sync
-        if self._current_backwards > 0 and sync.single_backward(self._current_final):
+        sync = self._engine.sync
+        if self._state.current_backwards > 0 and sync.single_backward(self._state.current_final):
             raise RuntimeError(
                 "a second backward on the micro-batch where DDP synchronizes: DDP reduces "
                 "only the first backward after a synced forward (pytorch#47260). Sum the loss "
@@ -194,12 +183,12 @@ class Window:
         checked = check_count(count) if form == "count" else 0.0
         if loss.dim():
             loss = loss.reshape(())
-        if self._current_padding:
+        if self._state.current_padding:
             # Zero weight by selection, not by multiplying by zero: an inf loss on a padding
             # micro-batch would otherwise become NaN (inf * 0) and poison the window.
             off = torch.zeros((), dtype=torch.bool, device=loss.device)
             target = torch.where(off, loss, torch.zeros_like(loss))
-            scaler = self._acc._scaler
+            scaler = self._engine.scaler
             torch.autograd.backward(
                 target if scaler is None else scaler.scale(target), **autograd_kwargs
             )
@@ -207,17 +196,15 @@ class Window:
             # Seeding backward with c (times the GradScaler's scale) is backward(c · loss)
             # without an extra multiply in the graph: c is a power of two, so both are exact.
             torch.autograd.backward(loss, grad_tensors=self._seed(loss, form), **autograd_kwargs)
-        if self._acc._precision is not None:  # accumulate_dtype: move .grad into the buffers
-            self._acc._precision.after_backward()
+        if self._engine.precision is not None:  # accumulate_dtype: move .grad into the buffers
+            self._engine.precision.after_backward()
         guard.after_backward()
         self._record(loss, checked, form)
 
     def _abandon_cleared(self, where: str) -> None:
         """Gradients were cleared behind fullbatch's back: end the window, raise with the fix."""
-        from fullbatch._run import abandon_locally
-
         abandon_locally(self)
-        raise RuntimeError(self._acc._guard.cleared_message(self.index, where))
+        raise RuntimeError(self._engine.guard.cleared_message(self.index, where))
 
     def _seed(self, loss: torch.Tensor, form: str) -> torch.Tensor:
         """The gradient backward starts from: ``c`` (count form) or 1, times the scaler's scale.
@@ -225,39 +212,29 @@ class Window:
         Cached per dtype and device for the window (neither c nor the scale change inside it).
         """
         key = (form, loss.dtype, loss.device)
-        seed = self._seeds.get(key)
+        seed = self._state.seeds.get(key)
         if seed is None:
             c = self.loss_scale if form == "count" else 1.0
             seed = torch.full((), c, dtype=loss.dtype, device=loss.device)
-            scaler = self._acc._scaler
+            scaler = self._engine.scaler
             if scaler is not None:
                 seed = scaler.scale(seed)
-            self._seeds[key] = seed
+            self._state.seeds[key] = seed
         return seed
 
     def _record(self, loss: torch.Tensor, count: float | torch.Tensor, form: str) -> None:
-        self._form = form
-        self._backwards += 1
-        self._current_backwards += 1
-        self._final_backward = self._final_backward or self._current_final
-        if self._current_padding:
+        self._state.form = form
+        self._state.backwards += 1
+        self._state.current_backwards += 1
+        self._state.final_backward = self._state.final_backward or self._state.current_final
+        if self._state.current_padding:
             return
         # Kept as they are and summed once at the step: no extra device work per micro-batch.
-        self._losses.append(loss.detach())
+        self._state.losses.append(loss.detach())
         if isinstance(count, torch.Tensor):
-            self._device_counts.append(count)
+            self._state.device_counts.append(count)
         else:
-            self._count_py += count
-
-    def _sums(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``(loss sum, device-tensor count sum, number of bad device counts)`` in ``dtype``."""
-        zero = torch.zeros((), dtype=dtype, device=device)
-        loss = _total(self._losses, device, dtype) if self._losses else zero
-        if not self._device_counts:
-            return loss, zero, zero
-        counts = torch.stack([c.to(device, dtype) for c in self._device_counts])
-        bad = (~torch.isfinite(counts) | (counts < 0)).sum().to(dtype)
-        return loss, counts.sum(), bad
+            self._state.count_py += count
 
     # -- the whole window in one call ----------------------------------------------------------
 
@@ -288,10 +265,13 @@ class Window:
             for window in acc.windows(loader):
                 stats = window.run(lambda m: fb.cross_entropy_sum(model(m["x"]), m["y"]))
         """
-        from fullbatch._run import run_window
-
         self._check_open("run()")
-        self._by_run = True
+        self._state.by_run = True
+        check = self._engine.pack_check
+        if check is not None and check.pending:  # pack=True: proven before anything changes
+            check(self, fn)
+        if self._engine.auto is not None:
+            return run_auto(self, fn)
         return run_window(self, fn)
 
     def run_coupled(
@@ -339,12 +319,8 @@ class Window:
             for window in acc.windows(loader):
                 stats = window.run_coupled(encode, info_nce)
         """
-        from fullbatch._coupled import run_coupled
-
         self._check_open("run_coupled()")
-        if self._acc._pack:
-            from fullbatch._packed import refuse_coupled
-
+        if self._engine.pack:
             refuse_coupled(self)
         return run_coupled(self, encode, loss)
 
@@ -364,39 +340,38 @@ class Window:
                 window is discarded first, so nothing is lost).
         """
         self._check_open("step()")
-        self._acc._sync.end()
-        if not self._exhausted and self._feed.remaining() > 0:
+        self._engine.sync.end()
+        if not self._state.exhausted and self._state.feed.remaining() > 0:
             raise RuntimeError(
                 f"step() before every micro-batch of window {self.index} was yielded "
-                f"({self._yielded} of {len(self)}; an early `break`?). Finish the loop, or "
+                f"({self._state.yielded} of {len(self)}; an early `break`?). Finish the loop, or "
                 "call window.discard() to abandon the window."
             )
-        if self._backwards == 0 and self._yielded > 0:
+        if self._state.backwards == 0 and self._state.yielded > 0:
             raise RuntimeError(
                 f"step() on window {self.index} with no backward call: call "
                 "window.backward(loss_sum, count) for each micro-batch, or window.discard()."
             )
-        if not self._final_backward and self._yielded > 0:
+        if not self._state.final_backward and self._state.yielded > 0:
             raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
-        if not self._acc._guard.gradients_intact():
+        if not self._engine.guard.gradients_intact():
             self._abandon_cleared("after the last window.backward, before window.step()")
-        self._closed = True
-        return self._acc._step(self)
+        self._state.closed = True
+        return step_window(self._engine, self._state)
 
     def discard(self) -> None:
         """Abandon the window: clear gradients and restore sync flags. No step is taken.
 
         Under DDP/FSDP2 it is collective: every rank discards the same window.
         """
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
-        self._feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
-        self._acc._discard(self)
+        self._state.closed = True
+        self._state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
+        discard_window(self._engine, self._state)
 
 
-def _total(values: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Sum of 0-dim tensors in ``dtype`` (one stack when they share a dtype and device)."""
-    if all(v.dtype == values[0].dtype and v.device == values[0].device for v in values):
-        return torch.stack(values).to(device, dtype).sum()
-    return torch.stack([v.to(device, dtype) for v in values]).sum()
+# Reprs and pickles say fullbatch.Window, wherever the class is defined; doctest still
+# finds its examples here.
+Window.__module__ = "fullbatch"
+__test__ = {"Window": Window}

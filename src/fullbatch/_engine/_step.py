@@ -8,17 +8,20 @@ scheduler step → ``zero_grad(set_to_none=True)``.
 from __future__ import annotations
 
 import math
-import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
-from fullbatch._normalize import accumulation_dtype, power_of_two_scale, scale_grads, squared_norm
-from fullbatch._stats import StepStats
-
-if TYPE_CHECKING:
-    from fullbatch._accumulator import Accumulator
-    from fullbatch._window import Window
+from fullbatch._base._normalize import (
+    accumulation_dtype,
+    grad_factor,
+    power_of_two_scale,
+    scale_grads,
+    squared_norm,
+)
+from fullbatch._base._stats import StepStats
+from fullbatch._base._warn import warn
+from fullbatch._engine._core import Engine
+from fullbatch._engine._state import WindowState
 
 __all__ = ["abandon_window", "discard_window", "step_window"]
 
@@ -27,86 +30,88 @@ _LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = r
 
 
 def _reduce_stats(
-    acc: Accumulator, window: Window | None, grads: list[torch.Tensor]
+    engine: Engine, state: WindowState | None, grads: list[torch.Tensor]
 ) -> list[float]:
     """Sum the window's numbers over ranks: one collective, one host synchronization."""
-    device = acc._stat_device
+    device = engine.stat_device
     dtype = accumulation_dtype(device)
     parts = [torch.zeros((), dtype=dtype, device=device) for _ in range(7)]
-    if window is None:
+    if state is None:
         parts[_DISCARDED] += 1
     else:
-        loss, counts, bad = window._sums(device, dtype)
+        loss, counts, bad = state.sums(device, dtype)
         parts[_LOSS] = loss
-        parts[_COUNT] = counts + window._count_py
+        parts[_COUNT] = counts + state.count_py
         parts[_BAD_COUNT] = bad
-        if acc._sync.sharded:
+        if engine.sync.sharded:
             parts[_SHARD_SQ] = squared_norm(grads, device)
         # The form is agreed over ranks: a rank without micro-batches made no call at all.
-        form_slot = _SHARE_CALLS if window._form == "share" else _COUNT_CALLS
-        parts[form_slot] += window._backwards
-    if acc._sync.group is None:
+        form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
+        parts[form_slot] += state.backwards
+    if engine.sync.group is None:
         return torch.stack(parts).tolist()
-    return acc._sync.all_reduce_sum(torch.stack(parts)).tolist()
+    return engine.sync.all_reduce_sum(torch.stack(parts)).tolist()
 
 
-def _lr(acc: Accumulator) -> float | None:
-    groups = acc.optimizer.param_groups
+def _lr(engine: Engine) -> float | None:
+    groups = engine.optimizer.param_groups
     return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
 
-def step_window(acc: Accumulator, window: Window) -> StepStats:
-    if acc._guard.scheduler_moved():
-        abandon_window(acc)
-        raise RuntimeError(acc._guard.scheduler_message())
-    leftover = acc._prepared.step_message(window.index)
+def step_window(engine: Engine, state: WindowState) -> StepStats:
+    if engine.guard.scheduler_moved():
+        abandon_window(engine)
+        raise RuntimeError(engine.guard.scheduler_message())
+    leftover = engine.prepared.step_message(state.index)
     if leftover is not None:  # Accelerate's accumulate() would have un-synced this window
-        abandon_window(acc)
+        abandon_window(engine)
         raise RuntimeError(leftover)
-    sync = acc._sync
-    precision = acc._precision  # accumulate_dtype: the float32 buffers stand in for .grad
+    sync = engine.sync
+    precision = engine.precision  # accumulate_dtype: the float32 buffers stand in for .grad
     if sync.reduce_at_step:
         if precision is not None:
             precision.reduce(sync)
         else:
-            sync.reduce_gradients(acc._params)
+            sync.reduce_gradients(engine.params)
     if precision is not None:
         grads = precision.grads()
     else:
-        grads = [p.grad for p in acc._params if p.grad is not None]
-    loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(acc, window, grads)
+        grads = [p.grad for p in engine.params if p.grad is not None]
+    loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(
+        engine, state, grads
+    )
     if discarded:
-        abandon_window(acc)
+        abandon_window(engine)
         raise RuntimeError(
-            f"window {window.index} was discarded on {int(discarded)} rank(s) but stepped on "
+            f"window {state.index} was discarded on {int(discarded)} rank(s) but stepped on "
             "this one; window.discard() is collective: call it on every rank."
         )
     if bad:
-        abandon_window(acc)
+        abandon_window(engine)
         raise ValueError(
-            f"a count passed to window.backward in window {window.index} was negative or "
+            f"a count passed to window.backward in window {state.index} was negative or "
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
     if shares and counted:
-        abandon_window(acc)
+        abandon_window(engine)
         raise ValueError(
-            f"in window {window.index} some ranks called backward(loss, count) and others "
+            f"in window {state.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
         )
     share = shares > 0
-    scaler = acc._scaler
-    loss_scale = 1.0 if share else window.loss_scale
+    scaler = engine.scaler
+    loss_scale = 1.0 if share else state.loss_scale
     grad_scale = 1.0
     if scaler is not None:
         grad_scale = float(scaler.get_scale())
-        scaler.unscale_(acc.optimizer)
+        scaler.unscale_(engine.optimizer)
     if sync.sharded:
         sq = shard_sq / grad_scale**2
     else:
-        sq = float(squared_norm(grads, acc._stat_device)) if grads else 0.0
+        sq = float(squared_norm(grads, engine.stat_device)) if grads else 0.0
     # The divisor W undoes the wrapper's average over ranks; c·N is the window's normalizer.
-    factor = sync.divisor if share else sync.divisor / (loss_scale * count) if count else 0.0
+    factor = grad_factor(sync.divisor, None if share else count, loss_scale)
     grad_norm = math.sqrt(sq) * factor if math.isfinite(sq) else math.nan
     reason = None
     if not share and count == 0:
@@ -115,96 +120,95 @@ def step_window(acc: Accumulator, window: Window) -> StepStats:
         reason = "non-finite loss"
     elif not math.isfinite(sq):
         reason = "non-finite gradient"
-    lr = _lr(acc)
+    lr = _lr(engine)
     if reason is None:
         clip = 1.0
-        if acc._max_grad_norm is not None:
-            clip = min(1.0, acc._max_grad_norm / (grad_norm + 1e-6))
-        if acc._window_hooks:  # the hooks see normalized, unclipped gradients
+        if engine.max_grad_norm is not None:
+            clip = min(1.0, engine.max_grad_norm / (grad_norm + 1e-6))
+        if engine.window_hooks:  # the hooks see normalized, unclipped gradients
             scale_grads(grads, factor)
             if precision is not None:
                 precision.write_back()
-            acc._window_hooks.run()
-            scale_grads([p.grad for p in acc._params if p.grad is not None], clip)
+            engine.window_hooks.run()
+            scale_grads([p.grad for p in engine.params if p.grad is not None], clip)
         else:
             scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
             if precision is not None:
                 precision.write_back()  # cast once, after normalizing and clipping in float32
-        acc._guard.stepping = True
+        engine.guard.stepping = True
         try:
             if scaler is not None:
-                scaler.step(acc.optimizer)
+                scaler.step(engine.optimizer)
             else:
-                acc.optimizer.step()
+                engine.optimizer.step()
         finally:
-            acc._guard.stepping = False
-        acc.steps += 1
+            engine.guard.stepping = False
+        engine.steps += 1
     else:
-        acc.skipped_windows += 1
-        warn_skipped(acc, window.index, reason)
+        engine.skipped_windows += 1
+        warn_skipped(engine, state.index, reason)
     if scaler is not None:
         if reason == "non-finite gradient" and sync.sharded:
             # Each rank's scaler saw only its shard: back off the same way everywhere.
             scaler.update(grad_scale * scaler.get_backoff_factor())
         else:
             scaler.update()
-    if reason is None and acc._scheduler is not None:
-        acc._scheduler.step()
-        acc._guard.scheduler_stepped()
-    acc._guard.end_window()
-    acc._clear_grads()
+    if reason is None and engine.scheduler is not None:
+        engine.scheduler.step()
+        engine.guard.scheduler_stepped()
+    engine.guard.end_window()
+    engine.clear_grads()
     sync.finish_window()
-    if acc._batchnorm is not None:
-        acc._batchnorm.finish(apply=reason is None)
+    if engine.batchnorm is not None:
+        engine.batchnorm.finish(apply=reason is None)
     if not share and count > 0:
-        acc._loss_scale = power_of_two_scale(count)  # the next window's c: ≈ 1 / N, exact
+        engine.loss_scale = power_of_two_scale(count)  # the next window's c: ≈ 1 / N, exact
     return StepStats(
         loss=loss_total / count if not share and count else (loss_total if share else math.nan),
         count=math.nan if share else count,
         grad_norm=grad_norm,
         skipped=reason is not None,
         reason=reason,
-        steps=acc.steps,
+        steps=engine.steps,
         loss_scale=loss_scale,
         lr=lr,
-        micro_batches=window._yielded,
-        totals=dict(window._totals or {}),
-        skipped_windows=acc.skipped_windows,
+        micro_batches=state.yielded,
+        totals=dict(state.totals or {}),
+        skipped_windows=engine.skipped_windows,
     )
 
 
-def warn_skipped(acc: Accumulator, index: int, reason: str) -> None:
+def warn_skipped(engine: Engine, index: int, reason: str) -> None:
     """Warn about a skipped window: the 1st, 2nd, 4th, 8th, ... so a long run is not flooded."""
-    n = acc.skipped_windows
+    n = engine.skipped_windows
     if n & (n - 1):
         return
     hint = (
         " With a GradScaler a few skips are expected while it calibrates its scale."
-        if acc._scaler is not None and reason == "non-finite gradient"
+        if engine.scaler is not None and reason == "non-finite gradient"
         else ""
     )
-    warnings.warn(
+    warn(
         f"window {index} was skipped ({reason}): parameters, optimizer and scheduler are "
-        f"unchanged. {n} window(s) skipped so far, {acc.steps} stepped; stats.skipped and "
+        f"unchanged. {n} window(s) skipped so far, {engine.steps} stepped; stats.skipped and "
         f"stats.skipped_windows report every skip (this warning repeats at 1, 2, 4, 8, ... "
         f"skips).{hint}",
         RuntimeWarning,
-        stacklevel=5,  # the user's window.step()
     )
 
 
-def abandon_window(acc: Accumulator) -> None:
+def abandon_window(engine: Engine) -> None:
     """End a window without a step: no gradients, sync flags and BatchNorm statistics back."""
-    acc._guard.end_window()
-    acc._sync.end()
-    acc._clear_grads()
-    acc._sync.drop_unreduced_grads()  # FSDP2 keeps unsynced gradients outside param.grad
-    acc._sync.finish_window()
-    if acc._batchnorm is not None:
-        acc._batchnorm.finish(apply=False)
+    engine.guard.end_window()
+    engine.sync.end()
+    engine.clear_grads()
+    engine.sync.drop_unreduced_grads()  # FSDP2 keeps unsynced gradients outside param.grad
+    engine.sync.finish_window()
+    if engine.batchnorm is not None:
+        engine.batchnorm.finish(apply=False)
 
 
-def discard_window(acc: Accumulator, window: Window) -> None:
-    abandon_window(acc)
-    if acc._sync.group is not None:
-        _reduce_stats(acc, None, [])  # pairs with the others' step or discard
+def discard_window(engine: Engine, state: WindowState) -> None:
+    abandon_window(engine)
+    if engine.sync.group is not None:
+        _reduce_stats(engine, None, [])  # pairs with the others' step or discard

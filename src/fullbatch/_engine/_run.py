@@ -5,20 +5,19 @@ what ``micro_batch_size="auto"`` needs: Python never hands an exception raised i
 body back to the iterator, so the plain loop cannot recover from an out-of-memory error.
 
 Without "auto", :func:`run_window` is exactly the plain loop (same sync, counts, padding
-micro-batches, skips). With "auto", see :mod:`fullbatch._auto` for the retry.
+micro-batches, skips). With "auto", see :mod:`fullbatch._engine._auto` for the retry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._stats import StepStats
-
-if TYPE_CHECKING:
-    from fullbatch._window import Window
+from fullbatch._base._stats import StepStats
+from fullbatch._engine._state import Handle
+from fullbatch._engine._step import abandon_window
 
 __all__ = ["MicroBatchFn", "abandon_locally", "run_micro_batches", "run_window"]
 
@@ -40,7 +39,7 @@ def _unpack(out: Any) -> tuple[torch.Tensor, Any]:
 
 
 def run_micro_batches(
-    window: Window, fn: MicroBatchFn, before_backward: Callable[[], None] | None = None
+    window: Handle, fn: MicroBatchFn, before_backward: Callable[[], None] | None = None
 ) -> None:
     """Iterate ``window`` and backpropagate what ``fn`` returns for every micro-batch.
 
@@ -58,30 +57,22 @@ def run_micro_batches(
         del loss, count
 
 
-def abandon_locally(window: Window) -> None:
+def abandon_locally(window: Handle) -> None:
     """Close ``window`` without a collective: no gradients, sync flags and BN statistics back.
 
     Used when the user's function raised: the other ranks learn of it at their next
     collective (and fail there within the process-group timeout), as with the plain loop.
     """
-    from fullbatch._step import abandon_window
-
-    if window._closed:
+    state = window._state
+    if state.closed:
         return
-    window._closed = True
-    window._feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
-    abandon_window(window._acc)
+    state.closed = True
+    state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
+    abandon_window(window._engine)
 
 
-def run_window(window: Window, fn: MicroBatchFn) -> StepStats:
-    """The body of :meth:`Window.run`."""
-    check = window._acc._pack_check
-    if check is not None and check.pending:  # pack=True: proven before anything changes
-        check(window, fn)
-    if window._acc._auto is not None:
-        from fullbatch._auto import run_auto
-
-        return run_auto(window, fn)
+def run_window(window: Handle, fn: MicroBatchFn) -> StepStats:
+    """The body of :meth:`Window.run` without "auto" (with it: ``_auto.run_auto``)."""
     try:
         run_micro_batches(window, fn)
     except BaseException:

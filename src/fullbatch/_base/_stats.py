@@ -52,3 +52,9 @@ class StepStats:
         norm = "nan" if math.isnan(self.grad_norm) else f"{self.grad_norm:.4g}"
         items = "from shares" if math.isnan(self.count) else f"over {self.count:g} items"
         return f"step {self.steps}: loss {self.loss:.4f} {items}, grad norm {norm}"
+
+
+# Reprs and pickles say fullbatch.StepStats, wherever the class is defined; doctest still
+# finds its examples here.
+StepStats.__module__ = "fullbatch"
+__test__ = {"StepStats": StepStats}

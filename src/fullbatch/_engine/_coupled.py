@@ -29,7 +29,7 @@ Pass 2 hands ``window.backward`` the 0-dim surrogate ``d - d.detach() + share`` 
 loss sum on its first real micro-batch, 0 elsewhere), so the reported loss, counts, seeding
 by ``c``, GradScaler, skips and DDP's one sync per window are the plain loop's.
 
-"auto" sizes go through :func:`fullbatch._auto.run_auto` with both passes as one attempt: an
+"auto" sizes go through :func:`fullbatch._engine._auto.run_auto` with both passes as one attempt: an
 OOM in either pass re-runs the whole window from its start at half the size. Across ranks,
 every rank agrees before each collective of the loss step (the gathers after pass 1, the
 all-reduce of ``G``), so a rank out of memory in pass 1 or in ``loss`` stops the others there.
@@ -38,16 +38,15 @@ all-reduce of ``G``), so a rank out of memory in pass 1 or in ``loss`` stops the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._run import abandon_locally
-from fullbatch._stats import StepStats
-
-if TYPE_CHECKING:
-    from fullbatch._sync import Sync
-    from fullbatch._window import Window
+from fullbatch._base._stats import StepStats
+from fullbatch._base._sync import Sync
+from fullbatch._engine._auto import check_peers, run_auto
+from fullbatch._engine._run import abandon_locally
+from fullbatch._engine._state import Handle
 
 __all__ = ["EncodeFn", "LossFn", "run_coupled"]
 
@@ -179,28 +178,26 @@ def _surrogate(reps: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], 
     return dot - dot.detach() + value
 
 
-def _micro_batches(window: Window) -> list[tuple[Any, bool]]:
+def _micro_batches(window: Handle) -> list[tuple[Any, bool]]:
     """The window's micro-batches, read ahead, with their padding flags (nothing popped)."""
-    feed = window._feed
+    feed = window._state.feed
     feed.fill()
     return [(m, False) for m in feed.real] + [(m, True) for m in feed._padding]
 
 
-def run_coupled(window: Window, encode: EncodeFn, loss: LossFn) -> StepStats:
+def run_coupled(window: Handle, encode: EncodeFn, loss: LossFn) -> StepStats:
     """The body of :meth:`Window.run_coupled`."""
-    acc = window._acc
-    if window._iterated:
+    engine = window._engine
+    if window._state.iterated:
         raise RuntimeError(
-            f"window.run_coupled on window {window.index}, which was already iterated; call "
+            f"window.run_coupled on window {window._state.index}, which was already iterated; call "
             "it instead of `for micro in window:`, not after."
         )
-    if acc._auto is not None:
-        from fullbatch._auto import _check_peers, run_auto
-
+    if engine.auto is not None:
         # An OOM in either pass re-runs the whole window (both passes) with half the size.
         # Under DDP/FSDP2 the ranks agree before each collective of the loss step.
-        def runner(attempt: Window, enc: EncodeFn, before_backward: Callable[[], None]) -> None:
-            _passes(attempt, enc, loss, before_backward, lambda: _check_peers(acc._sync))
+        def runner(attempt: Handle, enc: EncodeFn, before_backward: Callable[[], None]) -> None:
+            _passes(attempt, enc, loss, before_backward, lambda: check_peers(engine.sync))
 
         return run_auto(window, encode, runner)
     try:
@@ -212,14 +209,14 @@ def run_coupled(window: Window, encode: EncodeFn, loss: LossFn) -> StepStats:
 
 
 def _passes(
-    window: Window,
+    window: Handle,
     encode: EncodeFn,
     loss: LossFn,
     before_backward: Callable[[], None] | None = None,
     agree: Callable[[], None] | None = None,
 ) -> None:
     """Both passes and every backward of the window, no step (the caller abandons on error)."""
-    sync = window._acc._sync
+    sync = window._engine.sync
     # Pass 1: representations, and the RNG state before each micro-batch; graphs only for
     # the first micro-batch, whose graph pass 2 uses instead of running it again.
     micros = _micro_batches(window)
@@ -247,7 +244,7 @@ def _passes(
         del reps
     if not local:
         raise RuntimeError(
-            f"window {window.index} has no real micro-batch on this rank; "
+            f"window {window._state.index} has no real micro-batch on this rank; "
             "window.run_coupled needs at least one row per rank."
         )
     sizes = [r[0].shape[0] for r in local]
@@ -256,7 +253,7 @@ def _passes(
     del local
     after_loss = _Rng()
     # Pass 2: graphs, the same RNG, and each micro-batch's slice of the cached gradient.
-    window._by_run = True
+    window._state.by_run = True
     offset, real = 0, 0
     for i, micro in enumerate(window):
         if i == 0 and kept is not None:

@@ -1,6 +1,6 @@
 """Does packing respect the row boundaries on this model? Measured, not assumed.
 
-Packed micro-batches (one packed row each, see :mod:`fullbatch._packed`) are compared with the
+Packed micro-batches (one packed row each, see :mod:`fullbatch._base._packed`) are compared with the
 same rows run padded (unpacked from the packed row: right-padded, with an ``attention_mask``),
 from the same parameters, through the user's own loss function:
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._packed import IGNORE
+from fullbatch._base._packed import IGNORE
 
 __all__ = ["PackingReport", "check_packed", "repack", "unpack"]
 
@@ -89,7 +89,7 @@ def unpack(micro: dict[str, Any], rows: Sequence[int] | None = None) -> dict[str
     """The rows of a packed micro-batch, right-padded, with an ``attention_mask`` and
     ``position_ids`` (``0..width-1`` on every row, as a model builds them by default).
 
-    >>> from fullbatch._packed import RowPacker
+    >>> from fullbatch._base._packed import RowPacker
     >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     >>> packed = RowPacker(micro_batch_tokens=9)({"input_ids": mask * 5, "attention_mask": mask})
     >>> unpack(packed[0])["input_ids"].tolist()
@@ -123,7 +123,7 @@ def unpack(micro: dict[str, Any], rows: Sequence[int] | None = None) -> dict[str
 def repack(micro: dict[str, Any], rows: Sequence[int]) -> dict[str, Any]:
     """A packed micro-batch of some of ``micro``'s rows (in the order given).
 
-    >>> from fullbatch._packed import RowPacker
+    >>> from fullbatch._base._packed import RowPacker
     >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     >>> packed = RowPacker(micro_batch_tokens=9)({"input_ids": mask * 5, "attention_mask": mask})
     >>> repack(packed[0], [1, 2])["position_ids"].tolist()

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 __all__ = ["collate_rows", "count_rows", "split_rows", "take_rows"]
 
@@ -55,8 +56,6 @@ def collate_rows(batch: Any) -> Any:
     """
     if not _is_row_list(batch):
         return batch
-    from torch.utils.data import default_collate
-
     try:
         return default_collate(batch)
     except (RuntimeError, TypeError, KeyError, ValueError) as error:

@@ -26,15 +26,14 @@ gradients re-arm the loop guard's sentinel: they are fullbatch's own, not a stra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._batchnorm import _Moments
-
-if TYPE_CHECKING:
-    from fullbatch._accumulator import Accumulator
-    from fullbatch._window import Window
+from fullbatch._engine._batchnorm import _Moments
+from fullbatch._engine._core import Engine
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._step import abandon_window
 
 __all__ = ["Resume"]
 
@@ -84,15 +83,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Resume:
     """The Accumulator's checkpoint bookkeeping: the current window and the loader position."""
 
-    def __init__(self, acc: Accumulator) -> None:
-        self._acc = acc
-        names = {id(p): n for n, p in acc.model.named_parameters()}
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        names = {id(p): n for n, p in engine.model.named_parameters()}
         self._names = [
-            names.get(id(p), f"<optimizer param {i}>") for i, p in enumerate(acc._params)
+            names.get(id(p), f"<optimizer param {i}>") for i, p in enumerate(engine.params)
         ]
         self._counted: _Counted | None = None
         self._base = 0  # loader_items the current acc.windows(loader) started at
-        self._window: Window | None = None
+        self._window: WindowState | None = None
         self._window_start = 0
         self._pending: dict[str, Any] | None = None  # a loaded state, applied at the next window
 
@@ -103,7 +102,7 @@ class Resume:
         pending = self._pending
         self._base = pending["loader_items"] if pending is not None else 0
         if pending is not None:
-            guard = self._acc._guard
+            guard = self._engine.guard
             epoch = guard._scheduler_epoch()
             if epoch != pending["scheduler_epoch"]:
                 raise RuntimeError(
@@ -119,7 +118,7 @@ class Resume:
     def taken(self) -> int:
         return self._base + (self._counted.taken if self._counted is not None else 0)
 
-    def begin(self, window: Window, start: int) -> None:
+    def begin(self, window: WindowState, start: int) -> None:
         """A window was built from the items after ``start``: restore a pending state into it."""
         self._window, self._window_start = window, start
         pending, self._pending = self._pending, None
@@ -133,46 +132,46 @@ class Resume:
     # -- state_dict --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        acc = self._acc
+        engine = self._engine
         if self._pending is not None:  # loaded, not resumed yet: still the loaded state
             return dict(self._pending)
-        window = self._window if self._window is not None and not self._window._closed else None
-        inside = window is not None and window._yielded > 0
+        window = self._window if self._window is not None and not self._window.closed else None
+        inside = window is not None and window.yielded > 0
         if window is not None and inside:
             self._check_safe(window)
         return {
             "format": FORMAT,
             **self._identity(),
-            "steps": acc.steps,
-            "skipped_windows": acc.skipped_windows,
-            "loss_scale": acc._loss_scale,
-            "scheduler_epoch": acc._guard._scheduler_epoch(),
+            "steps": engine.steps,
+            "skipped_windows": engine.skipped_windows,
+            "loss_scale": engine.loss_scale,
+            "scheduler_epoch": engine.guard._scheduler_epoch(),
             "loader_items": self._window_start if window is not None else self.taken(),
             "rng": _rng_state(),
             "window": self._window_state(window) if window is not None and inside else None,
         }
 
-    def _check_safe(self, window: Window) -> None:
+    def _check_safe(self, window: WindowState) -> None:
         """Raise where a state would lose work: a micro-batch without its backward yet, or
         gradients FSDP2 holds itself."""
-        if window._current_backwards == 0:
+        if window.current_backwards == 0:
             raise RuntimeError(
-                f"acc.state_dict() while micro-batch {window._yielded - 1} of window "
+                f"acc.state_dict() while micro-batch {window.yielded - 1} of window "
                 f"{window.index} is handed out but has no backward yet: it would be lost on "
                 "resume. Take the state after window.backward(loss_sum, n), at the end of the "
                 "loop body."
             )
-        acc = self._acc
-        if acc._auto is not None or acc._precision is not None:
-            what = "an 'auto' size" if acc._auto is not None else "accumulate_dtype"
+        engine = self._engine
+        if engine.auto is not None or engine.precision is not None:
+            what = "an 'auto' size" if engine.auto is not None else "accumulate_dtype"
             raise RuntimeError(
                 f"acc.state_dict() inside window {window.index} with {what}: the window's "
                 "state (the size it runs with, or the float32 gradient buffers) is not part of "
                 "a state yet. Take the state at a window boundary (after window.step())."
             )
-        sync = acc._sync
+        sync = engine.sync
         fsdp_window = sync.kind == "fsdp2" and getattr(sync, "mode", "") == "window"
-        if fsdp_window and not window._final_backward:
+        if fsdp_window and not window.final_backward:
             raise RuntimeError(
                 f"acc.state_dict() inside window {window.index} with FSDP2 and "
                 "fsdp_sync='window': FSDP2 holds the window's unsharded gradients itself until "
@@ -183,45 +182,45 @@ class Resume:
             )
 
     def _identity(self) -> dict[str, Any]:
-        acc = self._acc
+        engine = self._engine
         return {
-            "mode": _mode(acc),
-            "window_size": acc._micro_batches
-            or acc._micro_batch_size
-            or acc._micro_batch_tokens
+            "mode": _mode(engine),
+            "window_size": engine.micro_batches
+            or engine.micro_batch_size
+            or engine.micro_batch_tokens
             or "auto",
-            "sync": acc._sync.kind,
-            "world_size": acc._sync.world,
-            "rank": acc._sync.rank,
-            "batchnorm": "window" if acc._batchnorm is not None else None,
+            "sync": engine.sync.kind,
+            "world_size": engine.sync.world,
+            "rank": engine.sync.rank,
+            "batchnorm": "window" if engine.batchnorm is not None else None,
             "params": list(self._names),
-            "shapes": [list(p.shape) for p in acc._params],
+            "shapes": [list(p.shape) for p in engine.params],
         }
 
-    def _window_state(self, window: Window) -> dict[str, Any]:
-        acc = self._acc
+    def _window_state(self, window: WindowState) -> dict[str, Any]:
+        engine = self._engine
         grads = {}
         layouts = {}
-        for name, p in zip(self._names, acc._params, strict=True):
+        for name, p in zip(self._names, engine.params, strict=True):
             if p.grad is not None:
                 grads[name] = _local(p.grad).detach().clone()
                 layouts[name] = _placements(p.grad)
         return {
-            "micro_batches_done": window._yielded,
+            "micro_batches_done": window.yielded,
             "loss_scale": window.loss_scale,
-            "backwards": window._backwards,
-            "form": window._form,
-            "final_backward": window._final_backward,
-            "losses": [t.clone() for t in window._losses],
-            "count": window._count_py,
-            "device_counts": [t.clone() for t in window._device_counts],
+            "backwards": window.backwards,
+            "form": window.form,
+            "final_backward": window.final_backward,
+            "losses": [t.clone() for t in window.losses],
+            "count": window.count_py,
+            "device_counts": [t.clone() for t in window.device_counts],
             "grads": grads,
             "grad_layouts": layouts,
             "batchnorm": self._batchnorm_state(),
         }
 
     def _batchnorm_state(self) -> dict[str, Any] | None:
-        bn = self._acc._batchnorm
+        bn = self._engine.batchnorm
         if bn is None:
             return None
         moments = {
@@ -235,16 +234,16 @@ class Resume:
     # -- load_state_dict ---------------------------------------------------------------------
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        acc = self._acc
-        if self._window is not None and not self._window._closed:
+        engine = self._engine
+        if self._window is not None and not self._window.closed:
             raise RuntimeError(
                 f"acc.load_state_dict() while window {self._window.index} is open: load the "
                 "state before acc.windows(loader), on a fresh Accumulator or between windows."
             )
         self._check(state)
-        acc.steps = int(state["steps"])
-        acc.skipped_windows = int(state["skipped_windows"])
-        acc._loss_scale = None if state["loss_scale"] is None else float(state["loss_scale"])
+        engine.steps = int(state["steps"])
+        engine.skipped_windows = int(state["skipped_windows"])
+        engine.loss_scale = None if state["loss_scale"] is None else float(state["loss_scale"])
         self._pending = dict(state)
         self._window = None
 
@@ -276,7 +275,7 @@ class Resume:
         window = state.get("window")
         if window is None:
             return
-        for name, p in zip(self._names, self._acc._params, strict=True):
+        for name, p in zip(self._names, self._engine.params, strict=True):
             if name not in window["grads"]:
                 continue
             grad = window["grads"][name]
@@ -294,31 +293,31 @@ class Resume:
                     "the model the same way before loading."
                 )
 
-    def _restore_window(self, window: Window, saved: dict[str, Any]) -> None:
+    def _restore_window(self, window: WindowState, saved: dict[str, Any]) -> None:
         """Skip the micro-batches done, then put back their gradients, sums and counts."""
-        acc = self._acc
+        engine = self._engine
         done = int(saved["micro_batches_done"])
         for i in range(done):
-            if window._feed.pop() is None:
-                window._closed = True
-                acc._abandon()
+            if window.feed.pop() is None:
+                window.closed = True
+                abandon_window(engine)
                 raise RuntimeError(
                     f"the resumed window has only {i} micro-batch(es) but the state was taken "
                     f"after {done}: the loader does not start at state['loader_items'] or "
                     "yields different items. Give acc.windows() the loader from that item on."
                 )
-        window._yielded = done
-        window._backwards = int(saved["backwards"])
-        window._form = saved["form"]
-        window._final_backward = bool(saved["final_backward"])
-        window._losses = list(saved["losses"])
-        window._count_py = float(saved["count"])
-        window._device_counts = list(saved["device_counts"])
+        window.yielded = done
+        window.backwards = int(saved["backwards"])
+        window.form = saved["form"]
+        window.final_backward = bool(saved["final_backward"])
+        window.losses = list(saved["losses"])
+        window.count_py = float(saved["count"])
+        window.device_counts = list(saved["device_counts"])
         grads = saved["grads"]
-        for name, p in zip(self._names, acc._params, strict=True):
+        for name, p in zip(self._names, engine.params, strict=True):
             if name in grads:
                 p.grad = _as_grad(grads[name], p)
-        bn = acc._batchnorm
+        bn = engine.batchnorm
         if bn is not None and saved["batchnorm"] is not None:
             bn._saved = {n: tuple(ts) for n, ts in saved["batchnorm"]["saved"].items()}
             bn._moments = {}
@@ -326,7 +325,7 @@ class Resume:
                 moments = _Moments()
                 moments.n, moments.mean, moments.m2 = float(n), mean, m2
                 bn._moments[name] = moments
-        acc._guard.after_backward()  # the restored gradients are fullbatch's own
+        engine.guard.after_backward()  # the restored gradients are fullbatch's own
 
 
 def _as_grad(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -351,11 +350,11 @@ def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:
     return f"{len(theirs)} parameters there, {len(ours)} here"
 
 
-def _mode(acc: Accumulator) -> str:
+def _mode(engine: Engine) -> str:
     """How windows are cut: a state from another mode would resume at the wrong place."""
-    if acc._micro_batches is not None:
+    if engine.micro_batches is not None:
         return "micro_batches"
-    kind = acc._auto.kind if acc._auto is not None else None
-    if acc._micro_batch_tokens is not None or kind == "tokens":
+    kind = engine.auto.kind if engine.auto is not None else None
+    if engine.micro_batch_tokens is not None or kind == "tokens":
         return "micro_batch_tokens"
-    return "micro_batch_size" + (", sort_rows" if acc._sort_rows else "")
+    return "micro_batch_size" + (", sort_rows" if engine.sort_rows else "")

@@ -4,28 +4,34 @@ order at the step); the training loop stays the user's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fullbatch._batchnorm import WindowBatchNorm, warn_batchnorm
-from fullbatch._guards import LoopGuard
-from fullbatch._hooks import WindowHooks
-from fullbatch._options import check_options, check_packing, check_window_size, trained_params
-from fullbatch._pack import Lengths, make_splitter
-from fullbatch._pack_check import FirstWindowCheck
-from fullbatch._packed import check_pack, make_packer
-from fullbatch._precision import make_grad_buffers
-from fullbatch._prepared import Prepared, check_loader
-from fullbatch._resume import Resume
-from fullbatch._start import start_window
-from fullbatch._stats import StepStats
-from fullbatch._step import abandon_window, discard_window, step_window
-from fullbatch._sync import make_sync
-from fullbatch._window import Window
-from fullbatch._windows import Feed, Stream, Windows
+from fullbatch._base._pack import Lengths, make_splitter
+from fullbatch._base._packed import check_pack, make_packer
+from fullbatch._base._sync import make_sync
+from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
+from fullbatch._engine._core import Engine
+from fullbatch._engine._feed import Feed, Stream
+from fullbatch._engine._guards import LoopGuard
+from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._options import (
+    check_options,
+    check_packing,
+    check_window_size,
+    trained_params,
+)
+from fullbatch._engine._pack_check import FirstWindowCheck
+from fullbatch._engine._precision import make_grad_buffers
+from fullbatch._engine._prepared import Prepared, check_loader
+from fullbatch._engine._resume import Resume
+from fullbatch._engine._start import start_window
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._window import Window
+from fullbatch._engine._windows import Windows
 
 __all__ = ["Accumulator"]
 
@@ -141,26 +147,22 @@ class Accumulator:
         pack: bool = False,
         verify_pack: bool = True,
     ) -> None:
-        self._micro_batches, size = check_window_size(
+        micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
         )
         tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
-        self._micro_batch_size = size if isinstance(size, int) else None
-        self._micro_batch_tokens = tokens if isinstance(tokens, int) else None
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
-        self._pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
-        self._split: Callable[[Any], list[Any]]
-        if self._pack:
+        pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
+        split: Callable[[Any], list[Any]]
+        if pack:
             assert tokens is not None
-            self._split, self._auto = make_packer(tokens, lengths)
+            split, auto = make_packer(tokens, lengths)
         else:
-            self._split, self._auto = make_splitter(size, tokens, sort_rows, lengths)
+            split, auto = make_splitter(size, tokens, sort_rows, lengths)
         if not isinstance(verify_pack, bool):
             raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
-        self._pack_check = FirstWindowCheck() if self._pack and verify_pack else None
-        self._sort_rows = sort_rows
-        if self._auto is not None:
-            ddp_sync = self._auto.ddp_sync(model, ddp_sync)
+        if auto is not None:
+            ddp_sync = auto.ddp_sync(model, ddp_sync)
         check_options(
             max_grad_norm=max_grad_norm,
             counts=counts,
@@ -168,42 +170,60 @@ class Accumulator:
             padding_micro_batch=padding_micro_batch,
         )
         # Accelerate's AcceleratedOptimizer: fullbatch hooks, steps and clears the inner one.
-        self._prepared = Prepared(optimizer, scheduler, scaler)
-        optimizer = self._prepared.optimizer
+        prepared = Prepared(optimizer, scheduler, scaler)
+        optimizer = prepared.optimizer
         self.model = model
         self.optimizer = optimizer
-        self._scheduler = scheduler
-        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self._partial_window = partial_window
-        self._counts = dict(counts) if counts is not None else None
-        self._padding_micro_batch = padding_micro_batch
-        self._sync = make_sync(
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        sync = make_sync(
             model,
             process_group=process_group,
             ddp_sync=ddp_sync,
             fsdp_sync=fsdp_sync,
             grad_divisor=grad_divisor,
         )
-        self._params = trained_params(model, optimizer, distributed=self._sync.group is not None)
+        params = trained_params(model, optimizer, distributed=sync.group is not None)
         # Before any hook is registered: a refusal leaves nothing behind.
-        self._precision = make_grad_buffers(
-            accumulate_dtype, self._params, self._sync, self._scaler
-        )
-        self._stat_device = (
-            self._params[0].device if self._sync.group is None else self._sync.device
-        )
-        self._batchnorm = WindowBatchNorm(model) if batchnorm == "window" else None
+        precision = make_grad_buffers(accumulate_dtype, params, sync, scaler)
+        window_bn = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
-        self._guard = LoopGuard(optimizer, self._prepared.watched_scheduler, self._params)
-        self._loss_scale: float | None = None
-        self._window_hooks = WindowHooks()
-        self._closed = False
-        self._resume = Resume(self)
-        self.steps = 0
+        self._engine = Engine(
+            model=model,
+            optimizer=optimizer,
+            params=params,
+            sync=sync,
+            guard=LoopGuard(optimizer, prepared.watched_scheduler, params),
+            prepared=prepared,
+            window_hooks=WindowHooks(),
+            scheduler=scheduler,
+            scaler=scaler,
+            precision=precision,
+            batchnorm=window_bn,
+            auto=auto,
+            split=split,
+            counts=dict(counts) if counts is not None else None,
+            padding_micro_batch=padding_micro_batch,
+            partial_window=partial_window,
+            micro_batches=micro_batches,
+            micro_batch_size=size if isinstance(size, int) else None,
+            micro_batch_tokens=tokens if isinstance(tokens, int) else None,
+            sort_rows=sort_rows,
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            stat_device=params[0].device if sync.group is None else sync.device,
+            pack=pack,
+            pack_check=FirstWindowCheck() if pack and verify_pack else None,
+        )
+        self._resume = Resume(self._engine)
+
+    @property
+    def steps(self) -> int:
         """Optimizer steps taken so far."""
-        self.skipped_windows = 0
+        return self._engine.steps
+
+    @property
+    def skipped_windows(self) -> int:
         """Windows skipped so far (zero items, non-finite loss or gradient)."""
+        return self._engine.skipped_windows
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -213,9 +233,10 @@ class Accumulator:
         with (its whole row count until an out-of-memory error set a limit; that limit
         afterwards, or the window's rows when it has fewer). ``None`` with ``micro_batches``.
         """
-        if self._auto is not None and self._auto.kind == "rows":
-            return self._auto.size
-        return self._micro_batch_size
+        auto = self._engine.auto
+        if auto is not None and auto.kind == "rows":
+            return auto.size
+        return self._engine.micro_batch_size
 
     @property
     def micro_batch_tokens(self) -> int | None:
@@ -224,9 +245,10 @@ class Accumulator:
         With ``micro_batch_tokens="auto"``: ``None`` before the first window, then the budget
         the last window ran with. ``None`` when micro-batches are sized in rows.
         """
-        if self._auto is not None and self._auto.kind == "tokens":
-            return self._auto.size
-        return self._micro_batch_tokens
+        auto = self._engine.auto
+        if auto is not None and auto.kind == "tokens":
+            return auto.size
+        return self._engine.micro_batch_tokens
 
     # -- windows ---------------------------------------------------------------------------
 
@@ -248,33 +270,37 @@ class Accumulator:
         return Windows(
             self._iterate(loader),
             loader,
-            micro_batches=self._micro_batches,
-            drop=self._partial_window == "drop",
+            micro_batches=self._engine.micro_batches,
+            drop=self._engine.partial_window == "drop",
         )
 
     def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
+        engine = self._engine
         stream = Stream(self._resume.count(loader))
         index = 0
         while True:
-            if self._guard.scheduler_moved():
-                raise RuntimeError(self._guard.scheduler_message())
+            if engine.guard.scheduler_moved():
+                raise RuntimeError(engine.guard.scheduler_message())
             first_item = self._resume.taken()
             feed = self._next_feed(stream)
-            start = self._start_window(feed, stream)
+            start = start_window(engine, feed, stream)
             if start is None:
                 return
             if start is False:  # dropped
                 continue
             loss_scale, totals = start
-            if self._batchnorm is not None:
-                self._batchnorm.start()
-            window = Window(self, feed, index=index, loss_scale=loss_scale, totals=totals)
-            self._guard.start_window(index)
-            self._resume.begin(window, first_item)
+            if engine.batchnorm is not None:
+                engine.batchnorm.start()
+            state = WindowState(
+                feed, index=index, loss_scale=loss_scale, totals=totals, stream=stream
+            )
+            window = Window(engine, state)
+            engine.guard.start_window(index)
+            self._resume.begin(state, first_item)
             yield window
-            if not window._closed:
-                self._sync.end()
+            if not window._state.closed:
+                engine.sync.end()
                 raise RuntimeError(
                     f"window {index} was neither stepped nor discarded before the next one: "
                     "call window.step() (or window.discard()) at the end of each window."
@@ -282,32 +308,28 @@ class Accumulator:
             index += 1
 
     def _next_feed(self, stream: Stream) -> Feed:
-        if self._micro_batches is None:  # each loader item is a window
+        engine = self._engine
+        if engine.micro_batches is None:  # each loader item is a window
             ok, item = stream.next()
-            if self._auto is not None:
-                micros = self._auto.split(item if ok else None, stream)
+            if engine.auto is not None:
+                micros = engine.auto.split(item if ok else None)
             else:
-                micros = self._split(item) if ok else []
+                micros = engine.split(item) if ok else []
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window
                 stream.last = micros[-1]
             return Feed(micros)
-        feed = Feed([], stream, self._micro_batches or 0)
+        feed = Feed([], stream, engine.micro_batches or 0)
         if (
-            self._partial_window == "drop"
-            or self._counts is not None
-            or self._sync.equal_micro_batches
+            engine.partial_window == "drop"
+            or engine.counts is not None
+            or engine.sync.equal_micro_batches
         ):
             feed.fill()
         else:
             feed.lookahead()
         return feed
-
-    def _start_window(
-        self, feed: Feed, stream: Stream
-    ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
-        return start_window(self, feed, stream)
 
     def register_window_hook(self, fn: Callable[[], Any]) -> RemovableHandle:
         """Call ``fn()`` once per window, on the final gradients, before clipping.
@@ -356,7 +378,7 @@ class Accumulator:
             1
             >>> handle.remove()
         """
-        return self._window_hooks.register(fn)
+        return self._engine.window_hooks.register(fn)
 
     # -- checkpoint and resume ----------------------------------------------------------------
 
@@ -403,38 +425,29 @@ class Accumulator:
         """
         self._resume.load_state_dict(state)
 
-    # -- step, discard, close ----------------------------------------------------------------
-
-    def _step(self, window: Window) -> StepStats:
-        return step_window(self, window)
-
-    def _discard(self, window: Window) -> None:
-        discard_window(self, window)
-
-    def _abandon(self) -> None:
-        abandon_window(self)
-
-    def _clear_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self._params:
-            p.grad = None
-        if self._precision is not None:
-            self._precision.clear()
+    # -- close -----------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._engine.closed:
             raise RuntimeError("this Accumulator is closed; build a new one.")
 
     def close(self) -> None:
         """Remove hooks and restore the model's sync flags. Safe to call twice."""
-        self._sync.end()
-        if self._batchnorm is not None:
-            self._batchnorm.close()
-        self._guard.close()
-        self._closed = True
+        engine = self._engine
+        engine.sync.end()
+        if engine.batchnorm is not None:
+            engine.batchnorm.close()
+        engine.guard.close()
+        engine.closed = True
 
     def __enter__(self) -> Accumulator:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Reprs and pickles say fullbatch.Accumulator, wherever the class is defined; doctest still
+# finds its examples here.
+Accumulator.__module__ = "fullbatch"
+__test__ = {"Accumulator": Accumulator}

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fullbatch._split import collate_rows, count_rows, split_rows
-
-if TYPE_CHECKING:
-    from fullbatch._auto import AutoSize
+from fullbatch._base._autosize import AutoSize
+from fullbatch._base._split import collate_rows, count_rows, split_rows
 
 __all__ = ["Lengths", "Packer", "make_splitter"]
 
@@ -258,8 +256,6 @@ def make_splitter(
     size is ``"auto"`` (it then cuts, with the size it has found). With ``micro_batches=K``
     (both sizes None) ``split`` is never called.
     """
-    from fullbatch._auto import AutoSize
-
     if micro_batch_tokens is not None:
         packer = Packer(micro_batch_tokens=1, lengths=lengths)
         if micro_batch_tokens == "auto":

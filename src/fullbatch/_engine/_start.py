@@ -9,15 +9,13 @@ padding micro-batches each rank runs, ``c`` and ``window.totals``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
-from fullbatch._normalize import check_count, estimate_items, power_of_two_scale
-
-if TYPE_CHECKING:
-    from fullbatch._accumulator import Accumulator
-    from fullbatch._windows import Feed, Stream
+from fullbatch._base._normalize import check_count, estimate_items, power_of_two_scale
+from fullbatch._engine._core import Engine
+from fullbatch._engine._feed import Feed, Stream
 
 __all__ = ["start_window"]
 
@@ -26,28 +24,28 @@ _REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
 
 
 def start_window(
-    acc: Accumulator, feed: Feed, stream: Stream
+    engine: Engine, feed: Feed, stream: Stream
 ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
     Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
     """
     real = feed.real
-    grads = any(p.grad is not None for p in acc._params)
+    grads = any(p.grad is not None for p in engine.params)
     # The first window's c comes from an estimate of its items (all ranks together).
-    expected = len(real) if feed.read_all else acc._micro_batches or 1
-    hint = estimate_items(real[0]) * expected if real and acc._loss_scale is None else 0.0
-    can_pad = acc._padding_micro_batch is not None or stream.last is not None
+    expected = len(real) if feed.read_all else engine.micro_batches or 1
+    hint = estimate_items(real[0]) * expected if real and engine.loss_scale is None else 0.0
+    can_pad = engine.padding_micro_batch is not None or stream.last is not None
     row = [
         float(len(real)),
-        float(feed.full if acc._partial_window == "drop" else True),
+        float(feed.full if engine.partial_window == "drop" else True),
         float(can_pad),
         hint,
         float(grads),
     ]
-    names = list(acc._counts or {})
-    local_totals = _local_totals(acc, real) if acc._counts is not None else []
-    table = acc._sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
+    names = list(engine.counts or {})
+    local_totals = _local_totals(engine, real) if engine.counts is not None else []
+    table = engine.sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
     rows = table.tolist()
     if not any(r[_REAL] for r in rows):
         return None
@@ -57,23 +55,23 @@ def start_window(
             "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
             "window.discard() to abandon a window."
         )
-    if acc._partial_window == "drop" and not all(r[_FULL] for r in rows):
+    if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
         return False
-    _pad(acc, feed, rows, stream)
-    if acc._loss_scale is None:
-        acc._loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
+    _pad(engine, feed, rows, stream)
+    if engine.loss_scale is None:
+        engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
     totals = None
-    if acc._counts is not None:
+    if engine.counts is not None:
         sums = table[:, len(row) :].sum(dim=0).tolist()
         totals = dict(zip(names, sums, strict=True))
-    return acc._loss_scale, totals
+    return engine.loss_scale, totals
 
 
-def _pad(acc: Accumulator, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
-    mine = acc._sync.rank
-    if acc._sync.equal_micro_batches:
+def _pad(engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
+    mine = engine.sync.rank
+    if engine.sync.equal_micro_batches:
         need = [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-    elif acc._sync.kind == "ddp" and not acc._sync.reduce_at_step:
+    elif engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
         need = [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
     else:
         return
@@ -86,13 +84,13 @@ def _pad(acc: Accumulator, feed: Feed, rows: list[list[float]], stream: Stream) 
             "Give the Accumulator padding_micro_batch=lambda: <a micro-batch>, or give "
             "every rank data (e.g. DistributedSampler(..., drop_last=False))."
         )
-    make = acc._padding_micro_batch or (lambda: stream.last)
+    make = engine.padding_micro_batch or (lambda: stream.last)
     feed.add_padding(need[mine], make)
 
 
-def _local_totals(acc: Accumulator, real: list[Any]) -> list[float]:
+def _local_totals(engine: Engine, real: list[Any]) -> list[float]:
     totals = []
-    for fn in (acc._counts or {}).values():
+    for fn in (engine.counts or {}).values():
         total = 0.0
         for micro in real:
             value = check_count(fn(micro))

@@ -1,0 +1,71 @@
+"""``Engine``: what a window needs from its Accumulator, as one value of services and options.
+
+Every helper of the engine takes an :class:`Engine` (and the window's state), never the
+Accumulator: the Accumulator builds one in its constructor and hands it down, so imports run
+from the Accumulator to the helpers and never back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._base._autosize import AutoSize
+from fullbatch._base._sync import Sync
+from fullbatch._engine._batchnorm import WindowBatchNorm
+from fullbatch._engine._guards import LoopGuard
+from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._precision import GradBuffers
+from fullbatch._engine._prepared import Prepared
+
+__all__ = ["Engine"]
+
+
+@dataclass(eq=False)
+class Engine:
+    """The Accumulator's services, options and counters (one per Accumulator).
+
+    >>> import dataclasses
+    >>> [f.name for f in dataclasses.fields(Engine)][:3]
+    ['model', 'optimizer', 'params']
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    sync: Sync
+    guard: LoopGuard
+    prepared: Prepared
+    window_hooks: WindowHooks
+    scheduler: Any
+    scaler: Any  # an enabled GradScaler, or None
+    precision: GradBuffers | None  # accumulate_dtype's float32 buffers
+    batchnorm: WindowBatchNorm | None
+    auto: AutoSize | None  # an "auto" size
+    split: Callable[[Any], list[Any]]  # how a loader item becomes micro-batches
+    counts: dict[str, Callable[[Any], Any]] | None
+    padding_micro_batch: Callable[[], Any] | None
+    partial_window: str
+    micro_batches: int | None
+    micro_batch_size: int | None
+    micro_batch_tokens: int | None
+    sort_rows: bool
+    max_grad_norm: float | None
+    stat_device: torch.device
+    steps: int = 0
+    skipped_windows: int = 0
+    loss_scale: float | None = None  # c of the next window; None before the first
+    closed: bool = False
+    pack: bool = False  # pack=True: micro-batches are packed rows (_base._packed)
+    pack_check: Any = None  # pack=True: the first window's packing check (_pack_check)
+
+    def clear_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.precision is not None:
+            self.precision.clear()
