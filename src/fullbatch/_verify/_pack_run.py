@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._losses import causal_lm_loss
+from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._pack import Lengths
 from fullbatch._base._packcheck import PackingReport, check_packed
 from fullbatch._base._packed import RowPacker
