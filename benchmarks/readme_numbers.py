@@ -166,8 +166,9 @@ def render(results: dict[str, Any]) -> dict[str, str]:
     lines += [
         "",
         fill(
-            "The demo's numbers are deterministic for a given Python, torch and transformers, "
-            "whatever the number of threads: its corpus is the standard library's docstrings "
+            "The demo's numbers are deterministic for a given Python, torch, transformers and "
+            "CPU kernel set (AVX2, AVX-512: see below), whatever the number of threads: its "
+            "corpus is the standard library's docstrings "
             f"(here Python {demo['python']}, corpus digest `{demo['corpus']}`, printed by the "
             "demo), so another Python version trains on other text and gives other, equally "
             "small, numbers. Timings vary from run to run: a ratio is known only to within "

@@ -95,7 +95,7 @@ def refused_world(rank: int, world: int, wrapper: str) -> str:
     try:
         acc.load_state_dict(state)
     except ValueError as error:
-        assert acc._resume._pending is None and acc.steps == 0
+        assert acc._engine.pending is None and acc.steps == 0
         return str(error)
     return ""
 
@@ -108,6 +108,6 @@ def fsdp_window_refuses(rank: int, world: int) -> str:
         objs[2].state_dict()
     except RuntimeError as error:
         acc = objs[2]
-        fb.Window(acc._engine, acc._resume._window).discard()  # the open window
+        fb.Window(acc._engine, acc._engine.window).discard()  # the open window
         return str(error)
     return ""

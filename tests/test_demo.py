@@ -138,6 +138,7 @@ def test_demo_verdict_names_python_and_corpus(demo: tuple[int, str, Path]) -> No
     assert re.search(rf"Verdict \(Python {re.escape(version)}, corpus [0-9a-f]{{12}}\):", stdout)
     assert "PASS" in stdout
     assert "metrics.csv" in stdout and "loss.png" in stdout
+    assert "1 CPU thread(s) (--threads)" in stdout  # chosen and printed (issue 18)
 
 
 def _save_byte_tokenizer(directory: Path) -> None:

@@ -227,7 +227,7 @@ def mid_window_state(mode: str = "micro_batches") -> dict[str, Any]:
 
 
 def unchanged(acc: fb.Accumulator) -> tuple[Any, ...]:
-    return (acc.steps, acc.skipped_windows, acc._engine.loss_scale, acc._resume._pending)
+    return (acc.steps, acc.skipped_windows, acc._engine.loss_scale, acc._engine.pending)
 
 
 @pytest.mark.parametrize(

@@ -185,3 +185,34 @@ def test_micro_batch_size_not_below_the_rows_is_refused(capsys, models, jsonl: P
     line = _one_line_error(code, err)
     assert f"--micro-batch-size {size} >= the batch's 4 rows" in line
     assert "--micro-batch-size 2" in line
+
+
+def test_model_file_imports_a_sibling_module(capsys, tmp_path: Path, jsonl: Path):
+    """The file's folder is on sys.path, as with `python file.py` (issue 18)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "common_layers_18.py").write_text(
+        "import torch\n\ndef make():\n    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))\n"
+    )
+    (folder / "my_model.py").write_text(
+        "from common_layers_18 import make\n\ndef factory():\n    return make()\n"
+    )
+    spec = f"{folder / 'my_model.py'}:factory"
+    code, out, err = _run(capsys, "--model", spec, "--data", str(jsonl), "--micro-batch-size", "2")
+    assert code == 0, out + err
+    assert out.startswith("fullbatch verify: PASSED")
+
+
+def test_failed_import_prints_the_error_and_its_line(capsys, tmp_path: Path, jsonl: Path):
+    model_file = tmp_path / "imports_missing.py"
+    model_file.write_text("import torch\n\nimport no_such_sibling_18\n\ndef make():\n    pass\n")
+    code, _, err = _run(
+        capsys, "--model", f"{model_file}:make", "--data", str(jsonl), "--micro-batch-size", "2"
+    )
+    line = _one_line_error(code, err)
+    assert (
+        f"importing {model_file} failed at {model_file}:3: ModuleNotFoundError: No module "
+        "named 'no_such_sibling_18'" in line
+    )
+    assert "python " not in line  # not "run the file": the error itself is the message

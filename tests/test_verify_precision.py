@@ -192,6 +192,8 @@ def test_naive_within_a_wide_band_is_said_to_be_unresolved() -> None:
     for row, length in enumerate([7, 7, 7, 7, 10, 10, 4, 5]):
         batch["labels"][row, :length] = batch["input_ids"][row, :length]
         batch["labels"][row, length:] = -100
+        batch["attention_mask"][row, :length] = 1  # labels count only real tokens
+        batch["attention_mask"][row, length:] = 0
     report = fb.verify(_tiny_llama(), batch, _loss, micro_batch_size=4, autocast=torch.bfloat16)
     assert report.passed, report
     assert report.naive.worst_error <= report.tolerance  # what this test is about

@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from fullbatch._base._losses import cross_entropy_sum
 from fullbatch._base._normalize import check_count, grad_factor
 from fullbatch._base._schedule import KeptSchedule
+from fullbatch._base._versions import trainer_parallel_size
 from fullbatch._verify._hf_check import TrainerCheck, check_trainer
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
@@ -184,7 +185,7 @@ class ExactTrainer(Trainer):
             if "lomo" in str(args.optim).lower()
             else None,
             "tensor/context/sequence parallelism": "use plain data parallelism"
-            if self.get_tp_size() * self.get_cp_size() * self.get_sp_size() > 1
+            if trainer_parallel_size(self) > 1  # get_cp/sp_size: absent in older transformers
             else None,
         }
         for setting, fix in fights.items():

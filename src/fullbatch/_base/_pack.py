@@ -23,7 +23,6 @@ Rules (DESIGN.md, "Contract, part 2"):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 
 from fullbatch._base._autosize import AutoSize
 from fullbatch._base._split import collate_rows, count_rows, split_rows
+from fullbatch._base._warn import warn
 
 __all__ = ["Lengths", "Packer", "make_splitter"]
 
@@ -241,7 +241,7 @@ class Packer:
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, stacklevel=4)
+            warn(message)
 
 
 def make_splitter(

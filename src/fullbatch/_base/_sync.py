@@ -14,7 +14,6 @@ for one micro-batch. It also runs the window's tiny collectives. Three kinds exi
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -22,6 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
+
+from fullbatch._base._versions import check_fsdp2_device
+from fullbatch._base._warn import warn
 
 __all__ = ["Sync", "all_reduce_over", "make_sync"]
 
@@ -269,15 +271,15 @@ def make_sync(
     if isinstance(model, DistributedDataParallel):
         sync = _DDPSync(model, ddp_sync, grad_divisor)
     elif isinstance(model, FSDPModule):
+        check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = _FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            warnings.warn(
+            warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
-                "model so that counts and gradients are combined over ranks.",
-                stacklevel=3,
+                "model so that counts and gradients are combined over ranks."
             )
         if process_group is not None:
             raise ValueError(

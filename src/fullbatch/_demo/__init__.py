@@ -135,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="torch device for every arm (default: %(default)s)"
     )
     parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="CPU threads for torch (default: %(default)s: the model is tiny, so more "
+        "threads mostly wait on each other, and on a shared machine they contend with other "
+        "jobs; the numbers do not depend on it)",
+    )
+    parser.add_argument(
         "--out",
         metavar="DIR",
         default="fullbatch-demo",

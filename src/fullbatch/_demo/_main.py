@@ -47,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
     lr = args.lr if args.lr is not None else _DEFAULT_LR[optimizer]
     sizes = args.micro_batch_sizes
     out = Path(args.out)
+    torch.set_num_threads(args.threads)
     try:
         device = torch.device(args.device)
         torch.empty(0, device=device)  # an unavailable device fails here, not mid-run
@@ -67,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
     source = f"Python {platform.python_version()}, corpus {corpus.digest}"
     setup = (
         f"{loaded.description}; {optimizer} lr {lr:g}, float32; {len(batches)} steps of "
-        f"{args.batch_size} rows; naive and fullbatch at micro-batch sizes {sizes_text}."
+        f"{args.batch_size} rows; naive and fullbatch at micro-batch sizes {sizes_text}; "
+        f"{torch.get_num_threads()} CPU thread(s) (--threads)."
     )
     data = (
         f"Data: {source} ({len(corpus.rows)} standard-library docstrings from {corpus.files} "

@@ -18,6 +18,8 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._mistakes import MistakeChecks, warn_untrained
+from fullbatch._engine._open import open_window
 from fullbatch._engine._options import (
     check_options,
     check_packing,
@@ -28,8 +30,6 @@ from fullbatch._engine._pack_check import FirstWindowCheck
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
 from fullbatch._engine._resume import Resume
-from fullbatch._engine._start import start_window
-from fullbatch._engine._state import WindowState
 from fullbatch._engine._window import Window
 from fullbatch._engine._windows import Windows
 
@@ -187,6 +187,7 @@ class Accumulator:
         precision = make_grad_buffers(accumulate_dtype, params, sync, scaler)
         window_bn = WindowBatchNorm(model) if batchnorm == "window" else None
         warn_batchnorm(model, window_statistics=batchnorm == "window")
+        warn_untrained(model, optimizer)
         self._engine = Engine(
             model=model,
             optimizer=optimizer,
@@ -210,6 +211,7 @@ class Accumulator:
             sort_rows=sort_rows,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             stat_device=params[0].device if sync.group is None else sync.device,
+            mistakes=MistakeChecks(optimizer, scheduler=scheduler),
             pack=pack,
             pack_check=FirstWindowCheck() if pack and verify_pack else None,
         )
@@ -277,29 +279,23 @@ class Accumulator:
     def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
         engine = self._engine
-        stream = Stream(self._resume.count(loader))
+        stream = self._resume.stream(loader)
         index = 0
         while True:
             if engine.guard.scheduler_moved():
                 raise RuntimeError(engine.guard.scheduler_message())
-            first_item = self._resume.taken()
-            feed = self._next_feed(stream)
-            start = start_window(engine, feed, stream)
-            if start is None:
-                return
-            if start is False:  # dropped
-                continue
-            loss_scale, totals = start
-            if engine.batchnorm is not None:
-                engine.batchnorm.start()
-            state = WindowState(
-                feed, index=index, loss_scale=loss_scale, totals=totals, stream=stream
+            loader_items = self._resume.taken()
+            feed, first_item = self._next_feed(stream)
+            state = open_window(
+                engine, feed, stream, index=index, loader_items=loader_items, first_item=first_item
             )
+            if state is None:
+                return
+            if state is False:  # dropped
+                continue
             window = Window(engine, state)
-            engine.guard.start_window(index)
-            self._resume.begin(state, first_item)
             yield window
-            if not window._state.closed:
+            if not window._state.phase.closed:
                 engine.sync.end()
                 raise RuntimeError(
                     f"window {index} was neither stepped nor discarded before the next one: "
@@ -307,7 +303,8 @@ class Accumulator:
                 )
             index += 1
 
-    def _next_feed(self, stream: Stream) -> Feed:
+    def _next_feed(self, stream: Stream) -> tuple[Feed, Any]:
+        """The next window's micro-batches, and its first loader item (None: this rank has none)."""
         engine = self._engine
         if engine.micro_batches is None:  # each loader item is a window
             ok, item = stream.next()
@@ -319,7 +316,7 @@ class Accumulator:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window
                 stream.last = micros[-1]
-            return Feed(micros)
+            return Feed(micros), item if ok else None
         feed = Feed([], stream, engine.micro_batches or 0)
         if (
             engine.partial_window == "drop"
@@ -329,7 +326,8 @@ class Accumulator:
             feed.fill()
         else:
             feed.lookahead()
-        return feed
+        real = feed.real
+        return feed, real[0] if real else None
 
     def register_window_hook(self, fn: Callable[[], Any]) -> RemovableHandle:
         """Call ``fn()`` once per window, on the final gradients, before clipping.

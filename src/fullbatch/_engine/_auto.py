@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from fullbatch._base._autosize import AutoSize
+from fullbatch._base._rng import RngState
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
-from fullbatch._engine._core import Engine
+from fullbatch._engine._core import Engine, Handle
 from fullbatch._engine._feed import Feed, Stream
+from fullbatch._engine._open import open_window
 from fullbatch._engine._run import MicroBatchFn, abandon_locally, run_micro_batches
-from fullbatch._engine._start import start_window
-from fullbatch._engine._state import Handle, WindowState
 
 __all__ = ["Runner", "check_peers", "run_auto"]
 
@@ -79,9 +79,7 @@ class _Snapshot:
     """What a re-run must find as it was at the window's start (gradients are None there)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.cpu = torch.get_rng_state()
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+        self.rng = RngState()
         self.scaler = engine.scaler.state_dict() if engine.scaler is not None else None
         self.buffers = [
             (b, b.detach().clone())
@@ -95,9 +93,7 @@ class _Snapshot:
         self.forward_sync = getattr(engine.model, "require_forward_param_sync", None)
 
     def restore(self, engine: Engine) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+        self.rng.restore()
         if engine.scaler is not None and self.scaler is not None:
             engine.scaler.load_state_dict(self.scaler)
         with torch.no_grad():
@@ -145,22 +141,23 @@ def _attempt(
 
 
 def _restart(window: Handle, micros: list[Any], stream: Stream) -> None:
-    """A fresh attempt at the same window: its own window-start exchange (padding, totals)."""
-    engine = window._engine
-    feed = Feed(micros)
+    """A fresh attempt at the same window, opened like every window (its own window-start
+    exchange: padding, totals), on the same handle."""
+    old = window._state
     if micros:
         stream.last = micros[-1]
-    start = start_window(engine, feed, stream)
-    if not start:  # some rank ran out of memory on data: this cannot be the end
-        raise RuntimeError("internal error: an 'auto' re-run found no data on any rank.")
-    loss_scale, totals = start
-    if engine.batchnorm is not None:
-        engine.batchnorm.start()
-    index = window._state.index
-    window._state = WindowState(
-        feed, index=index, loss_scale=loss_scale, totals=totals, stream=stream, by_run=True
+    state = open_window(
+        window._engine,
+        Feed(micros),
+        stream,
+        index=old.index,
+        loader_items=old.loader_items,
+        first_item=old.first_item,
+        by_run=True,
     )
-    engine.guard.start_window(index)
+    if not state:  # some rank ran out of memory on data: this cannot be the end
+        raise RuntimeError("internal error: an 'auto' re-run found no data on any rank.")
+    window._state = state
 
 
 def _free() -> None:

@@ -12,11 +12,12 @@ inputs normalized per micro-batch, which no bookkeeping of statistics can undo.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
+
+from fullbatch._base._warn import warn
 
 __all__ = ["WindowBatchNorm", "warn_batchnorm"]
 
@@ -64,10 +65,7 @@ def warn_batchnorm(model: nn.Module, *, window_statistics: bool = False) -> None
             " Running statistics also update once per micro-batch: batchnorm='window' makes "
             "them exact for BatchNorm layers not fed by another train-mode BatchNorm."
         )
-    warnings.warn(
-        gradient + stats + " For an exact step use GroupNorm/LayerNorm or eval-mode BatchNorm.",
-        stacklevel=3,
-    )
+    warn(gradient + stats + " For an exact step use GroupNorm/LayerNorm or eval-mode BatchNorm.")
 
 
 class _Moments:

@@ -2,27 +2,31 @@
 
 Every helper of the engine takes an :class:`Engine` (and the window's state), never the
 Accumulator: the Accumulator builds one in its constructor and hands it down, so imports run
-from the Accumulator to the helpers and never back.
+from the Accumulator to the helpers and never back. The drivers see the user's window through
+:class:`Handle`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from fullbatch._base._autosize import AutoSize
+from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._mistakes import MistakeChecks
 from fullbatch._engine._precision import GradBuffers
 from fullbatch._engine._prepared import Prepared
+from fullbatch._engine._state import WindowState
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Handle"]
 
 
 @dataclass(eq=False)
@@ -56,10 +60,13 @@ class Engine:
     sort_rows: bool
     max_grad_norm: float | None
     stat_device: torch.device
+    mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
     steps: int = 0
     skipped_windows: int = 0
     loss_scale: float | None = None  # c of the next window; None before the first
     closed: bool = False
+    window: WindowState | None = None  # the open window: set by open_window, cleared by end
+    pending: dict[str, Any] | None = None  # a loaded state, restored into the next window
     pack: bool = False  # pack=True: micro-batches are packed rows (_base._packed)
     pack_check: Any = None  # pack=True: the first window's packing check (_pack_check)
 
@@ -69,3 +76,19 @@ class Engine:
             p.grad = None
         if self.precision is not None:
             self.precision.clear()
+
+
+class Handle(Protocol):
+    """What the drivers use of a window: the user's own calls, plus its engine and state."""
+
+    _engine: Engine
+    _state: WindowState
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def backward(self, loss: torch.Tensor, count: Any = None, **autograd_kwargs: Any) -> None: ...
+
+    def step(self) -> StepStats: ...
+
+    @property
+    def is_padding(self) -> bool: ...

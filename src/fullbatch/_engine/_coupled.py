@@ -42,11 +42,13 @@ from typing import Any
 
 import torch
 
+from fullbatch._base._rng import RngState
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
 from fullbatch._engine._auto import check_peers, run_auto
+from fullbatch._engine._core import Handle
 from fullbatch._engine._run import abandon_locally
-from fullbatch._engine._state import Handle
+from fullbatch._engine._state import Phase
 
 __all__ = ["EncodeFn", "LossFn", "run_coupled"]
 
@@ -76,20 +78,6 @@ def _towers(out: Any, where: str) -> tuple[torch.Tensor, ...]:
         dtypes = [str(p.dtype) for p in parts]
         raise ValueError(f"encode returned dtypes {dtypes} {where}. {_ENCODE_FIX}")
     return tuple(parts)
-
-
-class _Rng:
-    """The RNG state before a micro-batch's pass-1 encode (CPU, and CUDA once initialized)."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def _gather(sync: Sync, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -188,7 +176,7 @@ def _micro_batches(window: Handle) -> list[tuple[Any, bool]]:
 def run_coupled(window: Handle, encode: EncodeFn, loss: LossFn) -> StepStats:
     """The body of :meth:`Window.run_coupled`."""
     engine = window._engine
-    if window._state.iterated:
+    if window._state.phase is not Phase.OPEN:
         raise RuntimeError(
             f"window.run_coupled on window {window._state.index}, which was already iterated; call "
             "it instead of `for micro in window:`, not after."
@@ -221,11 +209,11 @@ def _passes(
     # the first micro-batch, whose graph pass 2 uses instead of running it again.
     micros = _micro_batches(window)
     keep = not sync.sharded and not sync.equal_micro_batches and not micros[0][1]
-    states: list[_Rng] = []
+    states: list[RngState] = []
     local: list[tuple[torch.Tensor, ...]] = []
     kept: tuple[torch.Tensor, ...] | None = None
     for i, (micro, padding) in enumerate(micros):
-        states.append(_Rng())
+        states.append(RngState())
         if i == 0 and keep:
             # DDP decides at forward time whether the backward synchronizes: the sync
             # state is the one pass 2 would set for this micro-batch.
@@ -251,7 +239,7 @@ def _passes(
     shapes = [tuple(t.shape[1:]) for t in local[0]]
     grads, loss_sum, count = _reps_gradient(loss, local, sync, agree)
     del local
-    after_loss = _Rng()
+    after_loss = RngState()
     # Pass 2: graphs, the same RNG, and each micro-batch's slice of the cached gradient.
     window._state.by_run = True
     offset, real = 0, 0

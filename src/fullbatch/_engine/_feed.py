@@ -16,14 +16,20 @@ __all__ = ["Feed", "Stream"]
 
 
 class Stream:
-    """The loader's iterator, shared by consecutive windows; remembers that it ended."""
+    """The loader's iterator, shared by consecutive windows; remembers that it ended.
+
+    >>> stream = Stream([7, 8])
+    >>> stream.peek(), stream.next(), stream.next(), stream.next()
+    ((True, 7), (True, 7), (True, 8), (False, None))
+    """
 
     def __init__(self, loader: Any) -> None:
         self._it: Iterator[Any] = iter(loader)
         self.ended = False
         self.last: Any = None  # the most recent real item: a padding micro-batch if needed
+        self._peeked: tuple[bool, Any] | None = None
 
-    def next(self) -> tuple[bool, Any]:
+    def _read(self) -> tuple[bool, Any]:
         if self.ended:
             return False, None
         try:
@@ -31,8 +37,27 @@ class Stream:
         except StopIteration:
             self.ended = True
             return False, None
-        self.last = item
         return True, item
+
+    def peek(self) -> tuple[bool, Any]:
+        """The next item without taking it: read from the loader now, returned by ``next()``."""
+        if self._peeked is None:
+            self._peeked = self._read()
+        return self._peeked
+
+    @property
+    def holds_peeked(self) -> bool:
+        """An item was read from the loader by :meth:`peek` and not handed out yet."""
+        return self._peeked is not None and self._peeked[0]
+
+    def next(self) -> tuple[bool, Any]:
+        if self._peeked is not None:
+            (ok, item), self._peeked = self._peeked, None
+        else:
+            ok, item = self._read()
+        if ok:
+            self.last = item
+        return ok, item
 
 
 class Feed:

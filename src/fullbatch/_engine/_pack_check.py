@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._packcheck import PackingReport, check_packed, repack
 from fullbatch._base._warn import warn
+from fullbatch._engine._core import Handle
 from fullbatch._engine._run import abandon_locally
-from fullbatch._engine._state import Handle
 
 __all__ = ["FirstWindowCheck", "refuse_coupled"]
 

@@ -9,18 +9,26 @@ What a resumed run needs beyond the model, optimizer, scaler and scheduler state
   and the micro-batches already accumulated are read and skipped, not run;
 - the RNG state (CPU, and CUDA when initialized), restored just before the first micro-batch
   the resumed run computes, so building fresh objects in between changes nothing;
-- the counters ``steps`` and ``skipped_windows``.
+- the counters ``steps`` and ``skipped_windows``;
+- what the state expects of the objects around it, checked at ``acc.windows(loader)`` before
+  anything changes: the item at ``loader_items`` (a fingerprint; a loader at another position
+  raises ``ValueError``), the optimizer's progress (parameters with state, step count: an
+  optimizer whose state was not loaded raises), the scheduler's ``last_epoch``. A scheduler
+  that moved before the first window of an Accumulator that loaded no state means the
+  scheduler's state was loaded and the Accumulator's was not: that raises too.
 
-The position inside the window is the Accumulator's current window: a state taken after a
-micro-batch's ``window.backward`` resumes after that micro-batch. Taken while a micro-batch is
-handed out but before its backward, the state would lose it: that raises. A state is a dict of
-tensors, numbers, strings and lists (``torch.load(weights_only=True)`` reads it); each rank
-saves its own. FSDP2 gradients are DTensor shards: each rank saves its local shard, and loading
-checks the mesh size and placements; with ``fsdp_sync="window"`` FSDP2 holds the window's
-unsharded gradients itself, so a state inside such a window raises (``"micro_batch"`` works).
-A state from another world size, rank, model (parameter names and shapes), sync kind, window
-mode or ``batchnorm=`` is refused with ``ValueError`` before anything changes. Restored
-gradients re-arm the loop guard's sentinel: they are fullbatch's own, not a stray backward.
+The position inside the window is the engine's open window (``engine.window``): a state taken
+after a micro-batch's ``window.backward`` resumes after that micro-batch. Taken while a micro-
+batch is handed out but before its backward, the state would lose it: that raises; so does a
+state inside an "auto" window (first attempt or retry) or an ``accumulate_dtype`` window. A
+state is a dict of tensors, numbers, strings and lists (``torch.load(weights_only=True)`` reads
+it); each rank saves its own. FSDP2 gradients are DTensor shards: each rank saves its local
+shard, and loading checks the mesh size and placements; with ``fsdp_sync="window"`` FSDP2 holds
+the window's unsharded gradients itself, so a state inside such a window raises
+(``"micro_batch"`` works). A state from another world size, rank, model (parameter names and
+shapes), sync kind, window mode or ``batchnorm=`` is refused with ``ValueError`` before
+anything changes. Restored gradients re-arm the loop guard's sentinel: they are fullbatch's
+own, not a stray backward.
 """
 
 from __future__ import annotations
@@ -28,12 +36,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from fullbatch._engine._batchnorm import _Moments
+from fullbatch._base._rng import RngState
+from fullbatch._engine._checkpoint import (
+    check_grads,
+    identity,
+    item_key,
+    optimizer_progress,
+    param_names,
+    window_dict,
+)
 from fullbatch._engine._core import Engine
+from fullbatch._engine._feed import Stream
 from fullbatch._engine._state import WindowState
-from fullbatch._engine._step import abandon_window
 
 __all__ = ["Resume"]
 
@@ -53,114 +67,120 @@ class _Counted:
             yield item
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _placements(t: torch.Tensor) -> str:
-    """A DTensor's mesh size and placements, as text ("" for a plain tensor)."""
-    mesh = getattr(t, "device_mesh", None)
-    if mesh is None:
-        return ""
-    placements: Any = getattr(t, "placements", ())
-    return f"{mesh.size()}:{tuple(placements)}"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 class Resume:
-    """The Accumulator's checkpoint bookkeeping: the current window and the loader position."""
+    """The Accumulator's checkpoints: ``state_dict``, ``load_state_dict`` and the loader position.
+
+    A loaded state waits in ``engine.pending`` until the next window is opened
+    (:func:`fullbatch._engine._open.open_window` restores it there).
+    """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        names = {id(p): n for n, p in engine.model.named_parameters()}
-        self._names = [
-            names.get(id(p), f"<optimizer param {i}>") for i, p in enumerate(engine.params)
-        ]
+        self._names = param_names(engine)
         self._counted: _Counted | None = None
+        self._stream: Stream | None = None
         self._base = 0  # loader_items the current acc.windows(loader) started at
-        self._window: WindowState | None = None
-        self._window_start = 0
-        self._pending: dict[str, Any] | None = None  # a loaded state, applied at the next window
 
-    # -- hooks called by the Accumulator -----------------------------------------------------
+    # -- the loader ------------------------------------------------------------------------------
 
-    def count(self, loader: Any) -> _Counted:
-        """Wrap the loader of a new ``acc.windows(loader)``: it starts at the loaded position."""
-        pending = self._pending
-        self._base = pending["loader_items"] if pending is not None else 0
+    def stream(self, loader: Any) -> Stream:
+        """The stream of a new ``acc.windows(loader)``, counted from the loaded position.
+
+        Raises:
+            RuntimeError: a loaded state does not match the optimizer or the scheduler, or
+                the scheduler moved before the first window with no state loaded.
+        """
+        engine = self._engine
+        pending = engine.pending
         if pending is not None:
-            guard = self._engine.guard
-            epoch = guard._scheduler_epoch()
-            if epoch != pending["scheduler_epoch"]:
-                raise RuntimeError(
-                    f"the scheduler's last_epoch is {epoch} but was {pending['scheduler_epoch']} "
-                    "when the state was saved: load the scheduler's state_dict too "
-                    "(scheduler.load_state_dict(...)) before acc.windows(loader)."
-                )
-            guard.scheduler_stepped()  # loading the scheduler's state moved it, not the user
+            self._check_objects(pending)
+            engine.guard.scheduler_stepped()  # loading the scheduler's state moved it, not the user
+        elif self._stream is None and engine.guard.scheduler_moved():
+            raise RuntimeError(self._not_loaded_message())
+        self._base = pending["loader_items"] if pending is not None else 0
         self._counted = _Counted(loader)
-        self._window = None
-        return self._counted
+        self._stream = Stream(self._counted)
+        return self._stream
 
     def taken(self) -> int:
-        return self._base + (self._counted.taken if self._counted is not None else 0)
+        """Loader items consumed so far (an item only peeked at is not consumed)."""
+        if self._counted is None or self._stream is None:
+            return self._base
+        return self._base + self._counted.taken - int(self._stream.holds_peeked)
 
-    def begin(self, window: WindowState, start: int) -> None:
-        """A window was built from the items after ``start``: restore a pending state into it."""
-        self._window, self._window_start = window, start
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        saved = pending["window"]
-        if saved is not None:
-            self._restore_window(window, saved)
-        _set_rng_state(pending["rng"])
+    def _check_objects(self, pending: dict[str, Any]) -> None:
+        engine = self._engine
+        epoch = engine.guard._scheduler_epoch()
+        if epoch != pending["scheduler_epoch"]:
+            raise RuntimeError(
+                f"the scheduler's last_epoch is {epoch} but was {pending['scheduler_epoch']} "
+                "when the state was saved: load the scheduler's state_dict too "
+                "(scheduler.load_state_dict(...)) before acc.windows(loader)."
+            )
+        saved = pending.get("optimizer")
+        now = optimizer_progress(engine.optimizer)
+        if saved is not None and [float(v) for v in saved] != now:
+            raise RuntimeError(
+                f"the optimizer's state does not match the loaded Accumulator state (acc.steps "
+                f"= {engine.steps}): the optimizer holds state for {int(now[0])} parameter(s)"
+                f"{_steps(now)}, the run that saved it held state for {int(saved[0])}"
+                f"{_steps(saved)}. Load the optimizer's state too "
+                "(optimizer.load_state_dict(...)), saved at the same moment, before "
+                "acc.windows(loader): a fresh optimizer (no momentum, no Adam moments, step 0) "
+                "trains differently from the uninterrupted run. Nothing was changed."
+            )
 
-    # -- state_dict --------------------------------------------------------------------------
+    def _not_loaded_message(self) -> str:
+        guard = self._engine.guard
+        return (
+            f"the scheduler's last_epoch moved from {guard._epoch} to "
+            f"{guard._scheduler_epoch()} after this Accumulator was built and before its first "
+            "window, but no Accumulator state was loaded: the scheduler's state was loaded "
+            "(scheduler.load_state_dict) and the Accumulator's was not. Load it too, before "
+            "acc.windows(loader): acc.load_state_dict(state) with the state saved by "
+            "acc.state_dict() next to the scheduler's; it holds the step count and the loader "
+            "position (state['loader_items']). Nothing was changed. (If you stepped the "
+            "scheduler yourself before training, build the Accumulator after that.)"
+        )
+
+    # -- state_dict ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         engine = self._engine
-        if self._pending is not None:  # loaded, not resumed yet: still the loaded state
-            return dict(self._pending)
-        window = self._window if self._window is not None and not self._window.closed else None
+        if engine.pending is not None:  # loaded, not resumed yet: still the loaded state
+            return dict(engine.pending)
+        window = engine.window
+        if window is not None and window.phase.closed:  # a step that raised inside
+            window = None
         inside = window is not None and window.yielded > 0
         if window is not None and inside:
             self._check_safe(window)
         return {
             "format": FORMAT,
-            **self._identity(),
+            **identity(engine, self._names),
             "steps": engine.steps,
             "skipped_windows": engine.skipped_windows,
             "loss_scale": engine.loss_scale,
             "scheduler_epoch": engine.guard._scheduler_epoch(),
-            "loader_items": self._window_start if window is not None else self.taken(),
-            "rng": _rng_state(),
-            "window": self._window_state(window) if window is not None and inside else None,
+            "optimizer": optimizer_progress(engine.optimizer),
+            "loader_items": window.loader_items if window is not None else self.taken(),
+            "next_item": self._next_item(window),
+            "rng": RngState().to_dict(),
+            "window": window_dict(engine, self._names, window) if window and inside else None,
         }
 
+    def _next_item(self, window: WindowState | None) -> str | None:
+        """The key of the item at ``loader_items``; None before any ``acc.windows(loader)``."""
+        if window is not None:
+            return item_key(window.first_item)
+        if self._stream is None:
+            return None
+        ok, item = self._stream.peek()  # read now, handed to the next window as usual
+        return item_key(item if ok else None)
+
     def _check_safe(self, window: WindowState) -> None:
-        """Raise where a state would lose work: a micro-batch without its backward yet, or
-        gradients FSDP2 holds itself."""
-        if window.current_backwards == 0:
-            raise RuntimeError(
-                f"acc.state_dict() while micro-batch {window.yielded - 1} of window "
-                f"{window.index} is handed out but has no backward yet: it would be lost on "
-                "resume. Take the state after window.backward(loss_sum, n), at the end of the "
-                "loop body."
-            )
+        """Raise where a state would lose work: an "auto" or ``accumulate_dtype`` window, a
+        micro-batch without its backward yet, or gradients FSDP2 holds itself."""
         engine = self._engine
         if engine.auto is not None or engine.precision is not None:
             what = "an 'auto' size" if engine.auto is not None else "accumulate_dtype"
@@ -168,6 +188,13 @@ class Resume:
                 f"acc.state_dict() inside window {window.index} with {what}: the window's "
                 "state (the size it runs with, or the float32 gradient buffers) is not part of "
                 "a state yet. Take the state at a window boundary (after window.step())."
+            )
+        if window.current_backwards == 0:
+            raise RuntimeError(
+                f"acc.state_dict() while micro-batch {window.yielded - 1} of window "
+                f"{window.index} is handed out but has no backward yet: it would be lost on "
+                "resume. Take the state after window.backward(loss_sum, n), at the end of the "
+                "loop body."
             )
         sync = engine.sync
         fsdp_window = sync.kind == "fsdp2" and getattr(sync, "mode", "") == "window"
@@ -181,71 +208,21 @@ class Resume:
                 "boundary (after window.step())."
             )
 
-    def _identity(self) -> dict[str, Any]:
-        engine = self._engine
-        return {
-            "mode": _mode(engine),
-            "window_size": engine.micro_batches
-            or engine.micro_batch_size
-            or engine.micro_batch_tokens
-            or "auto",
-            "sync": engine.sync.kind,
-            "world_size": engine.sync.world,
-            "rank": engine.sync.rank,
-            "batchnorm": "window" if engine.batchnorm is not None else None,
-            "params": list(self._names),
-            "shapes": [list(p.shape) for p in engine.params],
-        }
-
-    def _window_state(self, window: WindowState) -> dict[str, Any]:
-        engine = self._engine
-        grads = {}
-        layouts = {}
-        for name, p in zip(self._names, engine.params, strict=True):
-            if p.grad is not None:
-                grads[name] = _local(p.grad).detach().clone()
-                layouts[name] = _placements(p.grad)
-        return {
-            "micro_batches_done": window.yielded,
-            "loss_scale": window.loss_scale,
-            "backwards": window.backwards,
-            "form": window.form,
-            "final_backward": window.final_backward,
-            "losses": [t.clone() for t in window.losses],
-            "count": window.count_py,
-            "device_counts": [t.clone() for t in window.device_counts],
-            "grads": grads,
-            "grad_layouts": layouts,
-            "batchnorm": self._batchnorm_state(),
-        }
-
-    def _batchnorm_state(self) -> dict[str, Any] | None:
-        bn = self._engine.batchnorm
-        if bn is None:
-            return None
-        moments = {
-            name: [m.n, m.mean.clone(), m.m2.clone()]
-            for name, m in bn._moments.items()
-            if m.mean is not None and m.m2 is not None
-        }
-        saved = {name: [t.clone() for t in ts] for name, ts in bn._saved.items()}
-        return {"saved": saved, "moments": moments}
-
-    # -- load_state_dict ---------------------------------------------------------------------
+    # -- load_state_dict -------------------------------------------------------------------------
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         engine = self._engine
-        if self._window is not None and not self._window.closed:
+        window = engine.window
+        if window is not None and not window.phase.closed:
             raise RuntimeError(
-                f"acc.load_state_dict() while window {self._window.index} is open: load the "
+                f"acc.load_state_dict() while window {window.index} is open: load the "
                 "state before acc.windows(loader), on a fresh Accumulator or between windows."
             )
         self._check(state)
         engine.steps = int(state["steps"])
         engine.skipped_windows = int(state["skipped_windows"])
         engine.loss_scale = None if state["loss_scale"] is None else float(state["loss_scale"])
-        self._pending = dict(state)
-        self._window = None
+        engine.pending = dict(state)
 
     def _check(self, state: Any) -> None:
         """Every check before anything changes: a refused state leaves the Accumulator as it was."""
@@ -256,7 +233,7 @@ class Resume:
                 + (f" with format={state.get('format')!r}" if isinstance(state, dict) else "")
                 + "."
             )
-        mine = self._identity()
+        mine = identity(self._engine, self._names)
         for key in ("world_size", "rank", "sync", "mode", "window_size", "batchnorm"):
             if state.get(key) != mine[key]:
                 raise ValueError(
@@ -273,72 +250,12 @@ class Resume:
                 "parameter names and shapes, same optimizer parameters) before loading it."
             )
         window = state.get("window")
-        if window is None:
-            return
-        for name, p in zip(self._names, self._engine.params, strict=True):
-            if name not in window["grads"]:
-                continue
-            grad = window["grads"][name]
-            want = _local(p.detach())
-            layout = window["grad_layouts"][name]
-            if tuple(grad.shape) != tuple(want.shape) or grad.dtype != want.dtype:
-                raise ValueError(
-                    f"the saved gradient of {name} has shape {tuple(grad.shape)} and dtype "
-                    f"{grad.dtype}; this rank's parameter has {tuple(want.shape)}, {want.dtype}."
-                )
-            if layout != _placements(p.detach()):
-                raise ValueError(
-                    f"the saved gradient of {name} was sharded as {layout!r} (mesh size: "
-                    f"placements); this model's parameter is {_placements(p.detach())!r}. Shard "
-                    "the model the same way before loading."
-                )
-
-    def _restore_window(self, window: WindowState, saved: dict[str, Any]) -> None:
-        """Skip the micro-batches done, then put back their gradients, sums and counts."""
-        engine = self._engine
-        done = int(saved["micro_batches_done"])
-        for i in range(done):
-            if window.feed.pop() is None:
-                window.closed = True
-                abandon_window(engine)
-                raise RuntimeError(
-                    f"the resumed window has only {i} micro-batch(es) but the state was taken "
-                    f"after {done}: the loader does not start at state['loader_items'] or "
-                    "yields different items. Give acc.windows() the loader from that item on."
-                )
-        window.yielded = done
-        window.backwards = int(saved["backwards"])
-        window.form = saved["form"]
-        window.final_backward = bool(saved["final_backward"])
-        window.losses = list(saved["losses"])
-        window.count_py = float(saved["count"])
-        window.device_counts = list(saved["device_counts"])
-        grads = saved["grads"]
-        for name, p in zip(self._names, engine.params, strict=True):
-            if name in grads:
-                p.grad = _as_grad(grads[name], p)
-        bn = engine.batchnorm
-        if bn is not None and saved["batchnorm"] is not None:
-            bn._saved = {n: tuple(ts) for n, ts in saved["batchnorm"]["saved"].items()}
-            bn._moments = {}
-            for name, (n, mean, m2) in saved["batchnorm"]["moments"].items():
-                moments = _Moments()
-                moments.n, moments.mean, moments.m2 = float(n), mean, m2
-                bn._moments[name] = moments
-        engine.guard.after_backward()  # the restored gradients are fullbatch's own
+        if window is not None:
+            check_grads(self._engine, self._names, window)
 
 
-def _as_grad(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A saved (local) gradient as ``p``'s gradient: a DTensor shard like ``p``'s, or as is."""
-    local = local.to(_local(p.detach()).device)
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None:
-        return local
-    # type(p) is DTensor: taken from the parameter, so that only _sync.py imports
-    # torch.distributed.
-    dtensor: Any = type(p.detach())
-    placements: Any = getattr(p, "placements", ())
-    return dtensor.from_local(local, mesh, placements, shape=p.shape, stride=p.stride())
+def _steps(progress: Any) -> str:
+    return f" at step {int(progress[1])}" if progress[1] >= 0 else ""
 
 
 def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:
@@ -348,13 +265,3 @@ def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:
         if a != b:
             return f"parameter {i} is {a[0]} {tuple(a[1])} there, {b[0]} {tuple(b[1])} here"
     return f"{len(theirs)} parameters there, {len(ours)} here"
-
-
-def _mode(engine: Engine) -> str:
-    """How windows are cut: a state from another mode would resume at the wrong place."""
-    if engine.micro_batches is not None:
-        return "micro_batches"
-    kind = engine.auto.kind if engine.auto is not None else None
-    if engine.micro_batch_tokens is not None or kind == "tokens":
-        return "micro_batch_tokens"
-    return "micro_batch_size" + (", sort_rows" if engine.sort_rows else "")

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from fullbatch._base._stats import StepStats
-from fullbatch._engine._state import Handle
-from fullbatch._engine._step import abandon_window
+from fullbatch._engine._core import Handle
+from fullbatch._engine._open import end_window
+from fullbatch._engine._state import Phase
 
 __all__ = ["MicroBatchFn", "abandon_locally", "run_micro_batches", "run_window"]
 
@@ -64,11 +65,10 @@ def abandon_locally(window: Handle) -> None:
     collective (and fail there within the process-group timeout), as with the plain loop.
     """
     state = window._state
-    if state.closed:
+    if state.phase.closed:
         return
-    state.closed = True
     state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
-    abandon_window(window._engine)
+    end_window(window._engine, state, Phase.ABANDONED)
 
 
 def run_window(window: Handle, fn: MicroBatchFn) -> StepStats:

@@ -17,16 +17,27 @@ from fullbatch._base._normalize import check_count, estimate_items, power_of_two
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 
-__all__ = ["start_window"]
+__all__ = ["DataMismatch", "start_window"]
 
 # Slots of the window-start all-gather: one row per rank.
-_REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
+_REAL, _FULL, _CAN_PAD, _HINT, _GRADS, _DATA_OK = range(6)
+
+
+class DataMismatch(ValueError):
+    """Some rank's loader is not where the resumed state expects it (``ranks``)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"rank(s) {ranks} resumed from the wrong loader position")
+        self.ranks = ranks
 
 
 def start_window(
-    engine: Engine, feed: Feed, stream: Stream
+    engine: Engine, feed: Feed, stream: Stream, *, data_ok: bool = True
 ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
+
+    ``data_ok``: this rank's first item is the one a resumed state expects; when any rank's is
+    not, every rank raises :class:`DataMismatch` (before anything changes).
 
     Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
     """
@@ -42,11 +53,15 @@ def start_window(
         float(can_pad),
         hint,
         float(grads),
+        float(data_ok),
     ]
     names = list(engine.counts or {})
     local_totals = _local_totals(engine, real) if engine.counts is not None else []
     table = engine.sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
     rows = table.tolist()
+    wrong = [rank for rank, r in enumerate(rows) if not r[_DATA_OK]]
+    if wrong:
+        raise DataMismatch(wrong)
     if not any(r[_REAL] for r in rows):
         return None
     if any(r[_GRADS] for r in rows):

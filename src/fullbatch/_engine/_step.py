@@ -21,9 +21,10 @@ from fullbatch._base._normalize import (
 from fullbatch._base._stats import StepStats
 from fullbatch._base._warn import warn
 from fullbatch._engine._core import Engine
-from fullbatch._engine._state import WindowState
+from fullbatch._engine._open import end_window
+from fullbatch._engine._state import Phase, WindowState
 
-__all__ = ["abandon_window", "discard_window", "step_window"]
+__all__ = ["discard_window", "step_window"]
 
 # Slots of the one small all-reduce at the step.
 _LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = range(7)
@@ -60,11 +61,11 @@ def _lr(engine: Engine) -> float | None:
 
 def step_window(engine: Engine, state: WindowState) -> StepStats:
     if engine.guard.scheduler_moved():
-        abandon_window(engine)
+        end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(engine.guard.scheduler_message())
     leftover = engine.prepared.step_message(state.index)
     if leftover is not None:  # Accelerate's accumulate() would have un-synced this window
-        abandon_window(engine)
+        end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(leftover)
     sync = engine.sync
     precision = engine.precision  # accumulate_dtype: the float32 buffers stand in for .grad
@@ -81,20 +82,20 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
         engine, state, grads
     )
     if discarded:
-        abandon_window(engine)
+        end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(
             f"window {state.index} was discarded on {int(discarded)} rank(s) but stepped on "
             "this one; window.discard() is collective: call it on every rank."
         )
     if bad:
-        abandon_window(engine)
+        end_window(engine, state, Phase.ABANDONED)
         raise ValueError(
             f"a count passed to window.backward in window {state.index} was negative or "
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
     if shares and counted:
-        abandon_window(engine)
+        end_window(engine, state, Phase.ABANDONED)
         raise ValueError(
             f"in window {state.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
@@ -156,11 +157,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
     if reason is None and engine.scheduler is not None:
         engine.scheduler.step()
         engine.guard.scheduler_stepped()
-    engine.guard.end_window()
-    engine.clear_grads()
-    sync.finish_window()
-    if engine.batchnorm is not None:
-        engine.batchnorm.finish(apply=reason is None)
+    end_window(engine, state, Phase.STEPPED if reason is None else Phase.SKIPPED)
     if not share and count > 0:
         engine.loss_scale = power_of_two_scale(count)  # the next window's c: ≈ 1 / N, exact
     return StepStats(
@@ -197,18 +194,9 @@ def warn_skipped(engine: Engine, index: int, reason: str) -> None:
     )
 
 
-def abandon_window(engine: Engine) -> None:
-    """End a window without a step: no gradients, sync flags and BatchNorm statistics back."""
-    engine.guard.end_window()
-    engine.sync.end()
-    engine.clear_grads()
-    engine.sync.drop_unreduced_grads()  # FSDP2 keeps unsynced gradients outside param.grad
-    engine.sync.finish_window()
-    if engine.batchnorm is not None:
-        engine.batchnorm.finish(apply=False)
-
-
 def discard_window(engine: Engine, state: WindowState) -> None:
-    abandon_window(engine)
+    """``window.discard()``: end the window; under DDP/FSDP2 pair with the others' step."""
+    state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
+    end_window(engine, state, Phase.DISCARDED)
     if engine.sync.group is not None:
         _reduce_stats(engine, None, [])  # pairs with the others' step or discard

@@ -14,7 +14,7 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
 from fullbatch._engine._pack_check import refuse_coupled
 from fullbatch._engine._run import abandon_locally, run_window
-from fullbatch._engine._state import WindowState
+from fullbatch._engine._state import Phase, WindowState
 from fullbatch._engine._step import discard_window, step_window
 
 __all__ = ["Window"]
@@ -59,13 +59,15 @@ class Window:
     # -- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        if self._state.iterated:
+        state = self._state
+        if state.phase in (Phase.ITERATING, Phase.EXHAUSTED):
             raise RuntimeError(
                 f"window {self.index} is being iterated a second time; a window yields its "
                 "micro-batches once. Keep them in a list inside the loop if you need them again."
             )
-        self._state.iterated = True
-        if self._engine.auto is not None and not self._state.by_run:
+        if state.phase is Phase.OPEN:
+            state.phase = Phase.ITERATING
+        if self._engine.auto is not None and not state.by_run:
             raise RuntimeError(
                 "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
                 "per-micro-batch function to catch an out-of-memory error, and Python does not "
@@ -77,15 +79,16 @@ class Window:
 
     def __next__(self) -> Any:
         self._engine.sync.end()
-        if self._state.closed:
+        if self._state.phase.closed:
             raise RuntimeError(f"window {self.index} was already stepped or discarded.")
         item = self._state.feed.pop()
         if item is None:
-            self._state.exhausted = True
+            self._state.phase = Phase.EXHAUSTED
             raise StopIteration
         micro, self._state.current_final, self._state.current_padding = item
         self._state.current_backwards = 0
         self._state.yielded += 1
+        self._engine.mistakes.see(micro)
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
         self._engine.sync.begin(self._state.current_final)
         return micro
@@ -110,12 +113,13 @@ class Window:
                 "window.totals needs counts= on the Accumulator, e.g. "
                 "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
             )
+        self._engine.mistakes.totals_read(self)
         return dict(self._state.totals)
 
     # -- backward --------------------------------------------------------------------------
 
     def _check_open(self, what: str) -> None:
-        if self._state.closed:
+        if self._state.phase.closed:
             raise RuntimeError(
                 f"{what} on window {self.index}, which was already stepped or discarded. "
                 "Use the next window from acc.windows(loader)."
@@ -140,10 +144,9 @@ class Window:
                 ``step()``/``discard()``), or a second backward on DDP's synced micro-batch.
         """
         self._check_open("backward()")
-        if self._state.exhausted or self._state.yielded == 0:
-            where = (
-                "after the window was exhausted" if self._state.exhausted else "before iterating"
-            )
+        exhausted = self._state.phase is Phase.EXHAUSTED
+        if exhausted or self._state.yielded == 0:
+            where = "after the window was exhausted" if exhausted else "before iterating"
             raise RuntimeError(
                 f"backward() {where}: a backward belongs to the micro-batch the window last "
                 "yielded. Call it inside `for micro in window:`."
@@ -181,6 +184,10 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
+        error = self._engine.mistakes.before_backward(self, count)
+        if error is not None:  # a migration mistake (_mistakes.py), caught before backward
+            abandon_locally(self)
+            raise error
         if loss.dim():
             loss = loss.reshape(())
         if self._state.current_padding:
@@ -341,7 +348,7 @@ class Window:
         """
         self._check_open("step()")
         self._engine.sync.end()
-        if not self._state.exhausted and self._state.feed.remaining() > 0:
+        if self._state.phase is not Phase.EXHAUSTED and self._state.feed.remaining() > 0:
             raise RuntimeError(
                 f"step() before every micro-batch of window {self.index} was yielded "
                 f"({self._state.yielded} of {len(self)}; an early `break`?). Finish the loop, or "
@@ -356,7 +363,7 @@ class Window:
             raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
         if not self._engine.guard.gradients_intact():
             self._abandon_cleared("after the last window.backward, before window.step()")
-        self._state.closed = True
+        self._state.phase = Phase.STEPPING
         return step_window(self._engine, self._state)
 
     def discard(self) -> None:
@@ -364,10 +371,8 @@ class Window:
 
         Under DDP/FSDP2 it is collective: every rank discards the same window.
         """
-        if self._state.closed:
+        if self._state.phase.closed:
             return
-        self._state.closed = True
-        self._state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
         discard_window(self._engine, self._state)
 
 

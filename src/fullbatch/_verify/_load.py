@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,15 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
     return model, tokenizer
 
 
+def _where(error: BaseException) -> str:
+    """`` at file:line``: the innermost frame of the user's code that raised ``error``."""
+    frames = [  # without importlib's frozen frames and this module's own
+        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")
+    ]
+    frames = [f for f in frames if f.filename != __file__]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def _import_factory(spec: str) -> Callable[[], Any]:
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
@@ -105,6 +115,11 @@ def _import_factory(spec: str) -> Callable[[], Any]:
                 raise InputError(f"--model {spec}: {file} is not a Python module")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module  # dataclasses and pickling look modules up here
+            # like `python file.py`: modules next to the file (`import common`) are found, also
+            # by imports the factory makes when called; kept for the rest of the process
+            folder = str(file.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module_spec.loader.exec_module(module)
         else:
             cwd_added = os.getcwd() not in sys.path
@@ -129,14 +144,8 @@ def _import_factory(spec: str) -> Callable[[], Any]:
                 f"--model {spec}: cannot import {module_name} ({one_line(error)}); put it on "
                 "PYTHONPATH, run from its directory, or pass path/to/file.py:factory"
             ) from error
-        run = (
-            f"python {module_name}"
-            if module_name.endswith(".py")
-            else f"python -c 'import {module_name}'"
-        )
         raise InputError(
-            f"--model {spec}: importing {module_name} raised {one_line(error)}; fix it "
-            f"(`{run}` shows the traceback)"
+            f"--model {spec}: importing {module_name} failed{_where(error)}: {one_line(error)}"
         ) from error
     factory: Any = module
     for part in attr.split("."):

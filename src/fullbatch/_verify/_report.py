@@ -3,9 +3,11 @@
 Error measures (all relative to the plain full-batch reference, computed in float64):
 
 - **grad error**: the worst tensor's ``max|Δ| / max|ref|``. A per-tensor measure, so a wrong
-  small tensor (a bias, a norm weight) cannot hide behind large embedding gradients. A tensor
-  whose reference gradient is all zeros is measured against the largest reference entry of any
-  tensor.
+  small tensor (a bias, a norm weight) cannot hide behind large embedding gradients. The
+  denominator has a floor tied to the whole gradient: its RMS entry
+  (``‖ref‖ / sqrt(numel)``), so a tensor whose gradient is ~0 by construction (BERT's
+  attention key bias, a bias before BatchNorm) is not judged relative to its own rounding
+  noise; a 100% error on a tensor 100 times below that floor still reads 1e-2.
 - **global**: ``‖Δ‖ / ‖ref‖`` over all gradients together, the usual single number.
 - **loss** and **grad norm**: ``|a - b| / |b|``.
 

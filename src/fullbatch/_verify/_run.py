@@ -8,6 +8,8 @@ check tells whether the loss can be accumulated exactly at all, and names what b
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from fullbatch._verify._precision import (
     widen_tolerance,
     working_copy,
 )
+from fullbatch._verify._share import ShareForm
 from fullbatch._verify._verdict import Runs, build_report
 
 __all__ = ["verify"]
@@ -76,6 +79,7 @@ def verify(
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     rtol: float | None = None,
+    counts: Mapping[str, Callable[[Any], Any]] | None = None,
     micro_batch_tokens: int | None = None,
     pack: bool = False,
 ) -> Any:
@@ -107,6 +111,12 @@ def verify(
             under ``torch.autocast`` in that dtype (on the parameters' device type), as mixed
             precision training does; backward runs outside it. ``None`` (default): as
             ``loss_fn`` does it (an autocast inside ``loss_fn`` works too).
+        counts: the Accumulator's ``counts=`` (``{name: fn(micro) -> number}``) to check the
+            share form: ``loss_fn(model, micro, totals)`` then returns the 0-dim share
+            ``loss_sum / totals[name]`` that ``window.backward(share)`` takes. The fullbatch
+            arm runs ``counts=`` and ``window.backward(share)``; verify also checks that the
+            share scales as ``1 / totals`` (a share not divided by ``window.totals``, or
+            divided by the micro-batch's own count, fails with that diagnosis).
         rtol: relative tolerance; by default 1e-10 for float64, 1e-5 for float32, 2e-2 for
             bfloat16 and 2e-3 for float16, widened to the model's own rounding band when that
             is larger (see below). An explicit ``rtol`` is never widened.
@@ -172,18 +182,28 @@ def verify(
         with torch.enable_grad():
             work, work_batch, compute_dtype = working_copy(model, batch, dtype, notes)
             compute = dtype_name(compute_dtype)
+            device_type = next(work.parameters()).device.type
+            share = None
+            if counts is not None:  # the share form: see _share.py
+                amp = None if autocast is None else (device_type, autocast)
+                share = ShareForm(loss_fn, counts, work_batch, autocast=amp)  # type: ignore[arg-type]
+                loss_fn = share.count_form
+                notes.append(f"share form: counts= totals over the batch {share.totals}")
             if autocast is not None:
-                device_type = next(work.parameters()).device.type
                 loss_fn = under_autocast(loss_fn, device_type, autocast)
                 compute += f" + {dtype_name(autocast)} autocast"
             dropout = disable_dropout(work)
             notes += [f"disabled for the comparison: {line}" for line in dropout.describe()]
-            runs = _run_arms(work, work_batch, loss_fn, micro_batch_size, notes)
+            runs = _run_arms(work, work_batch, loss_fn, micro_batch_size, notes, share)
             tol = rtol if rtol is not None else TOLERANCES[compute_dtype]
             if rtol is None:
                 tol = widen_tolerance(tol, runs.band, runs.nondeterminism, compute, notes)
             additivity = check_additivity(work, work_batch, loss_fn, tol)
-        return build_report(runs, additivity, tol, compute, rows, micro_batch_size, notes)
+            cause = None if share is None else share.scaling_cause(work, work_batch, tol)
+        report = build_report(runs, additivity, tol, compute, rows, micro_batch_size, notes)
+        if cause is not None:
+            report = dataclasses.replace(report, passed=False, diagnosis=[*report.diagnosis, cause])
+        return report
     finally:
         if dropout is not None:
             dropout.restore()
@@ -218,6 +238,7 @@ def _run_arms(
     loss_fn: LossFn,
     micro_batch_size: int,
     notes: list[str],
+    share: ShareForm | None = None,
 ) -> Runs:
     """Run every arm on ``work``, with its buffers reset to their start values in between."""
     params = [(n, p) for n, p in work.named_parameters() if p.requires_grad]
@@ -234,7 +255,7 @@ def _run_arms(
         start.restore_buffers()
         permuted = full_batch_arm(work, params, reverse_rows(batch, count_rows(batch)), loss_fn)
         start.restore_buffers()
-        fullbatch = fullbatch_arm(work, params, batch, loss_fn, micro_batch_size)
+        fullbatch = fullbatch_arm(work, params, batch, loss_fn, micro_batch_size, share)
         start.restore_buffers()
         # the full batch with its loss scaled before backward as fullbatch scales it
         after = full_batch_arm(work, params, batch, loss_fn, scale_before=fullbatch.loss_scale)
