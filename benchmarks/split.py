@@ -17,6 +17,17 @@ parameters never move and every window is compared at the same point):
   (e) fullbatch, micro_batch_tokens=8*512
   (f) fullbatch, micro_batch_tokens="auto" with window.run, where a simulated memory limit lets
       at most 8*512 padded tokens through a forward (the first window finds the budget)
+  (g) fullbatch, micro_batch_tokens=8*512, pack=True with window.run: rows packed
+      first-fit-decreasing into one row per micro-batch; transformers' own attention (sdpa with
+      the block mask it builds from position_ids, dense on CPU)
+  (h) as (g) with a per-row attention (benchmarks/_packed_arms.py: one causal sdpa call per
+      row, cut at cu_seq_lens_q), which computes only the scores each row needs
+  (i) --device cuda only, when flash_attn imports: as (g) with attn_implementation=
+      "flash_attention_2", whose varlen kernel reads cu_seq_lens_q/k and max_length_q/k
+
+(g)-(i) run the packing check on their first window (a warm-up window, not in the table).
+Scores: attention scores computed per head and layer (rows x width^2 padded, n^2 for a packed
+row under a dense mask, the sum of squared row lengths per row), over what the rows need.
 
 Arms alternate window by window in one process; the table shows medians over windows.
 Gradient error: ||g - g_full|| / ||g_full|| against the whole window in one float32 forward and
@@ -30,12 +41,14 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _packed_arms import register_per_row, scores_needed
 
 import fullbatch as fb
 from fullbatch._demo._corpus import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, encode_bytes, read_corpus
@@ -112,10 +125,13 @@ class Tally:
     def __init__(self) -> None:
         self.computed = 0
         self.micro_batches = 0
+        self.scores = 0
 
-    def saw(self, micro: Batch) -> None:
-        self.computed += micro["input_ids"].numel()
+    def saw(self, micro: Batch, scores: int | None = None) -> None:
+        rows, width = micro["input_ids"].shape
+        self.computed += rows * width
         self.micro_batches += 1
+        self.scores += rows * width * width if scores is None else scores
 
 
 def logits(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
@@ -248,6 +264,26 @@ def auto_arm(model: torch.nn.Module, fits: int, first: dict[str, float]) -> Arm:
     return run, opt
 
 
+def packed_arm(model: torch.nn.Module, attention: str) -> Arm:
+    """(g)-(i): ``pack=True`` with ``window.run`` and the documented packed call."""
+    from _packed_arms import packed_scores
+
+    model.set_attn_implementation(attention)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = fb.Accumulator(model, opt, micro_batch_tokens=MICRO * MAX_LEN, pack=True)
+
+    def run(window: Batch, tally: Tally) -> None:
+        def step(micro: Batch) -> Any:
+            tally.saw(micro, packed_scores(micro, per_row=attention != "sdpa"))
+            out = model(**{k: v for k, v in micro.items() if k != "labels"})
+            return fb.causal_lm_loss(out.logits, micro["labels"])
+
+        for w in acc.windows([window]):
+            w.run(step)
+
+    return run, opt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -281,16 +317,21 @@ def main() -> None:
             copy.deepcopy(base), micro_batch_tokens=MICRO * MAX_LEN
         ),
         "(f) tokens='auto', 4096 fit": auto_arm(copy.deepcopy(base), MICRO * MAX_LEN, first),
+        "(g) pack=True, sdpa": packed_arm(copy.deepcopy(base), "sdpa"),
+        "(h) pack=True, per-row attn": packed_arm(copy.deepcopy(base), register_per_row()),
     }
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        arms["(i) pack=True, flash varlen"] = packed_arm(copy.deepcopy(base), "flash_attention_2")
     grads: dict[str, list[list[torch.Tensor]]] = {name: [] for name in arms}
     for name, (_, opt) in arms.items():
         record_grads(opt, grads[name])
     rows: dict[str, dict[str, list[float]]] = {
-        name: {"s": [], "cpu": [], "real": [], "mb": [], "mem": [], "err": []} for name in arms
+        name: {k: [] for k in ("s", "cpu", "real", "mb", "mem", "err", "scores")} for name in arms
     }
     memory = Memory(device)
     for index, window in enumerate(windows):
         real = int(window["attention_mask"].sum())
+        needed = scores_needed(window["attention_mask"].sum(1).tolist())
         want = full_batch_grads(base, window) if index >= args.warmup else None
         order = list(arms) if index % 2 == 0 else list(reversed(arms))  # alternate the order
         for name in order:
@@ -309,6 +350,7 @@ def main() -> None:
             row["s"].append(seconds)
             row["cpu"].append(cpu)
             row["real"].append(real / tally.computed)
+            row["scores"].append(tally.scores / needed)
             row["mb"].append(tally.micro_batches)
             row["mem"].append(peak)
             row["err"].append(rel_norm(grads[name][-1], want))
@@ -325,7 +367,7 @@ def main() -> None:
     mem_name = "peak MiB (RSS)" if device.type == "cpu" else "peak MiB (CUDA)"
     header = (
         f"{'arm':30s} {'s/window':>9s} {'vs (b)':>7s} {'CPU s':>7s} {'vs (b)':>7s} "
-        f"{'real/computed':>14s} "
+        f"{'real/computed':>14s} {'scores/needed':>14s} "
         f"{'micro-batches':>14s} {mem_name:>15s} {'grad error':>11s}"
     )
     print(header)
@@ -336,7 +378,7 @@ def main() -> None:
         t, c = statistics.median(row["s"]), statistics.median(row["cpu"])
         print(
             f"{name:30s} {t:9.3f} {ref_time / t:6.2f}x {c:7.3f} {ref_cpu / c:6.2f}x "
-            f"{statistics.median(row['real']):13.0%} "
+            f"{statistics.median(row['real']):13.0%} {statistics.median(row['scores']):13.2f}x "
             f"{statistics.median(row['mb']):14.1f} {statistics.median(row['mem']):15.1f} "
             f"{statistics.median(row['err']):11.1e}"
         )

@@ -102,3 +102,98 @@ def reference(windows: int) -> list[torch.Tensor]:
         opt.step()
         out.append(_full(model))
     return out
+
+
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "_broadcast_coalesced",
+)
+
+
+class BufferedLM(CausalLM):
+    """With a buffer, so that DDP broadcasts buffers in its forwards (a collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+
+def train_packed(rank: int, world: int, wrapper: str, windows: int) -> dict[str, Any]:
+    """pack=True three ways in one process group: the plain loop, ``window.run`` (the packing
+    check on the first window) and ``window.run`` with ``verify_pack=False``; parameters after
+    every step, micro-batch counts, collectives issued (wrapped torch.distributed functions and,
+    under DDP, gradient buckets through a comm hook) and warnings."""
+    import warnings
+
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+
+    def counted(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name)))
+    out: dict[str, Any] = {}
+    for mode in ("loop", "run", "unchecked"):
+        torch.manual_seed(0)
+        model: nn.Module = BufferedLM().double()
+        if wrapper == "ddp":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model = nn.parallel.DistributedDataParallel(model)
+
+            def hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks annotations)
+                calls["n"] += 1
+                return default_hooks.allreduce_hook(state, bucket)
+
+            model.register_comm_hook(None, hook)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.mix)
+            model = fully_shard(model)
+        opt = _optimizer(model.parameters())
+        loader = [rank_window(rank, w) for w in range(windows)]
+        options = {"micro_batch_tokens": 30, "pack": True, "verify_pack": mode != "unchecked"}
+        res: dict[str, Any] = {"params": [], "real": [], "padding": []}
+        calls["n"] = 0
+
+        def loss(micro: Any, model: nn.Module = model) -> Any:
+            return fb.causal_lm_loss(model(micro["input_ids"]), micro["labels"])
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fb.Accumulator(model, opt, **options) as acc:
+                for window in acc.windows(loader):
+                    real = padding = 0
+                    if mode == "loop":
+                        for micro in window:
+                            padding += window.is_padding
+                            real += not window.is_padding
+                            window.backward(*loss(micro))
+                        assert not window.step().skipped
+                    else:
+                        stats = window.run(loss)
+                        real = stats.micro_batches
+                    res["params"].append(_full(model))
+                    res["real"].append(real)
+                    res["padding"].append(padding)
+        check = acc._engine.pack_check
+        res["report"] = None if check is None or check.report is None else check.report.passed
+        res["collectives"] = calls["n"]
+        # torch's own FSDP2 notes (view tensors returned) are not fullbatch's
+        res["warnings"] = [
+            str(w.message)[:60] for w in caught if not str(w.message).startswith("FSDP2-wrapped")
+        ]
+        out[mode] = res
+    return out

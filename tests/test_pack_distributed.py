@@ -38,3 +38,32 @@ def test_every_rank_every_step_equals_full_batch(wrapper: str, options: dict) ->
         assert any(any(res["padding"]) for res in results)
     else:
         assert all(not any(res["padding"]) for res in results)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_packed_every_rank_every_step_equals_full_batch(wrapper: str) -> None:
+    """pack=True: the plain loop, window.run with the packing check, and without it."""
+    results = values(run_ranks(cases.train_packed, 2, wrapper, WINDOWS, deadline=240))
+    ref = cases.reference(WINDOWS)
+    for res in results:
+        for mode in ("loop", "run", "unchecked"):
+            assert len(res[mode]["params"]) == WINDOWS
+            for got, want in zip(res[mode]["params"], ref, strict=True):
+                err = float((got - want).abs().max() / want.abs().max())
+                assert err < 1e-10, (mode, err)
+        # the check issues no collective (ranks check different rows): same count without it
+        assert res["run"]["collectives"] == res["unchecked"]["collectives"] > 0
+        assert res["loop"]["warnings"] == res["unchecked"]["warnings"] == []
+        if wrapper == "ddp":
+            assert res["run"]["report"] is True and res["run"]["warnings"] == []
+        else:  # FSDP2: no check on sharded parameters, said once
+            assert res["run"]["report"] is None
+            assert res["run"]["warnings"] == [
+                "pack=True under FSDP2: window.run cannot check packing on sh"
+            ]
+    counts = [res["loop"]["real"] for res in results]
+    assert counts[0] != counts[1]  # the ranks really packed different numbers of micro-batches
+    if wrapper == "fsdp":
+        totals = [[r + p for r, p in zip(res["loop"]["real"], res["loop"]["padding"],
+                                         strict=True)] for res in results]  # fmt: skip
+        assert totals[0] == totals[1] and any(any(res["loop"]["padding"]) for res in results)

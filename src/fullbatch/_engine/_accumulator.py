@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fullbatch._base._pack import Lengths, make_splitter
+from fullbatch._base._packed import check_pack, make_packer
 from fullbatch._base._sync import make_sync
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._core import Engine
@@ -25,6 +26,7 @@ from fullbatch._engine._options import (
     check_window_size,
     trained_params,
 )
+from fullbatch._engine._pack_check import FirstWindowCheck
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
 from fullbatch._engine._resume import Resume
@@ -66,6 +68,18 @@ class Accumulator:
             tensors with rows first follow their rows; other leaves go to every micro-batch.
             A mask that is not right-padded (left padding) is regrouped but not trimmed
             (still exact; warned once). A missing key raises ``ValueError``.
+        pack: with ``micro_batch_tokens=T``: pack each window's rows (right-padded) first-fit-
+            decreasing into micro-batches of at most ``T`` real tokens, each one packed row
+            (``position_ids`` restarting at every row, each row's first label ``-100``, no
+            ``attention_mask``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``use_cache=False``):
+            no padding is computed. Exact only where the model's attention honours the row
+            boundaries: :meth:`Window.run` checks that on the first packed window and raises
+            before anything changes when they are not. Rows are never split; per-row tensors
+            are refused.
+        verify_pack: with ``pack=True``, let :meth:`Window.run` check packing on the first
+            window holding a micro-batch of two rows (about one window's cost, once; the plain
+            ``for micro in window`` loop never checks: run ``fb.verify(..., pack=True)``).
+            ``False`` skips it.
         scheduler: stepped once per optimizer step (not on skipped windows). An Accelerate
             ``AcceleratedScheduler`` keeps its own rule (``num_processes`` inner steps per
             optimizer step unless ``split_batches``).
@@ -137,13 +151,23 @@ class Accumulator:
         lengths: Lengths = "attention_mask",
         accumulate_dtype: torch.dtype | None = None,
         context_parallel: Any = None,
+        pack: bool = False,
+        verify_pack: bool = True,
     ) -> None:
         micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
         )
         tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
-        split, auto = make_splitter(size, tokens, sort_rows, lengths)
+        pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
+        split: Callable[[Any], list[Any]]
+        if pack:
+            assert tokens is not None
+            split, auto = make_packer(tokens, lengths)
+        else:
+            split, auto = make_splitter(size, tokens, sort_rows, lengths)
+        if not isinstance(verify_pack, bool):
+            raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
         if auto is not None:
             ddp_sync = auto.ddp_sync(model, ddp_sync)
         check_options(
@@ -196,6 +220,8 @@ class Accumulator:
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             stat_device=params[0].device if sync.group is None else sync.device,
             mistakes=MistakeChecks(optimizer, scheduler=scheduler),
+            pack=pack,
+            pack_check=FirstWindowCheck() if pack and verify_pack else None,
         )
         self._resume = Resume(self._engine)
 

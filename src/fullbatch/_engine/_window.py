@@ -12,6 +12,7 @@ from fullbatch._base._stats import StepStats
 from fullbatch._engine._auto import run_auto
 from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
+from fullbatch._engine._pack_check import refuse_coupled
 from fullbatch._engine._run import abandon_locally, run_window
 from fullbatch._engine._state import Phase, WindowState
 from fullbatch._engine._step import discard_window, step_window
@@ -273,6 +274,9 @@ class Window:
         """
         self._check_open("run()")
         self._state.by_run = True
+        check = self._engine.pack_check
+        if check is not None and check.pending:  # pack=True: proven before anything changes
+            check(self, fn)
         if self._engine.auto is not None:
             return run_auto(self, fn)
         return run_window(self, fn)
@@ -323,6 +327,8 @@ class Window:
                 stats = window.run_coupled(encode, info_nce)
         """
         self._check_open("run_coupled()")
+        if self._engine.pack:
+            refuse_coupled(self)
         return run_coupled(self, encode, loss)
 
     # -- the end of the window -------------------------------------------------------------

@@ -8,6 +8,8 @@ One job per module:
 - ``_precision``: the dtype compared in and its tolerance;
 - ``_state``: save and restore the user's model, switch dropout off;
 - ``_report``: :class:`VerifyReport` and its readable text;
+- ``_packing``, ``_pack_run``: ``verify(..., pack=True)``: does padding-free packing respect the
+  row boundaries on this model (gradient against a measured band, a leak probe, the cause);
 - ``_cli``, ``_load``, ``_data``: the ``fullbatch verify`` command, its model and data loading.
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without

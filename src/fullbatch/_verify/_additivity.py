@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._base._modelstate import batchnorm_modules
 from fullbatch._base._split import count_rows, take_rows
 from fullbatch._verify._arms import LossFn, call_loss
 from fullbatch._verify._bn import batchnorm_feeds
 from fullbatch._verify._report import AdditivityCheck
-from fullbatch._verify._state import batchnorm_modules
 
 __all__ = ["check_additivity"]
 

@@ -10,6 +10,7 @@ Examples::
     fullbatch verify --model ./my-checkpoint --data train.jsonl --micro-batch-size 2
     fullbatch verify --model mymodels:make_model --data prompts.txt --micro-batch-size 4 \\
         --batch-size 16 --dtype float64
+    fullbatch verify --model ./my-checkpoint --data train.jsonl --pack --micro-batch-tokens 512
 
 Heavy imports (torch, transformers) happen inside :func:`run`, so ``fullbatch --help`` stays
 fast.
@@ -64,10 +65,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--micro-batch-size",
-        required=True,
         type=_positive_int,
+        default=None,
         metavar="M",
-        help="rows per micro-batch",
+        help="rows per micro-batch (checks fullbatch's accumulation)",
+    )
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="check padding-free packing instead (with --micro-batch-tokens): the loss on "
+        "packed micro-batches against the same rows padded, and a leak probe across rows",
+    )
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="T",
+        help="with --pack: real tokens per packed micro-batch",
     )
     parser.add_argument(
         "--batch-size",
@@ -143,7 +157,9 @@ def _batch(args: argparse.Namespace, loaded: Any) -> tuple[dict[str, Any], list[
             f"--data {args.data}: {len(examples)} example(s); verify needs at least 2 rows to "
             "split into micro-batches and to check additivity"
         )
-    if args.micro_batch_size >= len(examples):
+    if args.pack:
+        pass  # verify(pack=True) refuses a budget that leaves every micro-batch one row
+    elif args.micro_batch_size >= len(examples):
         raise InputError(
             f"--micro-batch-size {args.micro_batch_size} >= the batch's {len(examples)} rows: "
             "one micro-batch accumulates nothing, so the comparison would prove nothing; pass "
@@ -193,8 +209,18 @@ def run(args: argparse.Namespace) -> int:
 
     from fullbatch._verify._data import require_file
     from fullbatch._verify._load import InputError, causal_lm_loss_fn, load_model
+    from fullbatch._verify._pack_run import packed_loss_fn
     from fullbatch._verify._run import verify
 
+    if args.pack == (args.micro_batch_size is not None) or args.pack != (
+        args.micro_batch_tokens is not None
+    ):
+        return _fail(
+            "give --micro-batch-size M (fullbatch's accumulation), or --pack with "
+            "--micro-batch-tokens T (padding-free packing); got "
+            f"--micro-batch-size {args.micro_batch_size}, --pack {args.pack}, "
+            f"--micro-batch-tokens {args.micro_batch_tokens}"
+        )
     dtype = getattr(torch, args.dtype) if args.dtype else None
     autocast = getattr(torch, args.autocast) if args.autocast else None
     try:
@@ -203,22 +229,34 @@ def run(args: argparse.Namespace) -> int:
         batch, notes = _batch(args, loaded)
         prefix = f"--model {args.model}"
         if loaded.loss_fn is None:
-            loss_fn = _guarded(causal_lm_loss_fn, prefix, "the model's forward")
+            default = packed_loss_fn if args.pack else causal_lm_loss_fn
+            loss_fn = _guarded(default, prefix, "the model's forward")
         else:
             loss_fn = _guarded(loaded.loss_fn, prefix, "the model or its loss_fn")
         try:
-            report = verify(
-                loaded.model,
-                batch,
-                loss_fn,
-                micro_batch_size=args.micro_batch_size,
-                autocast=autocast,
-            )
+            if args.pack:
+                report = verify(
+                    loaded.model,
+                    batch,
+                    loss_fn,
+                    micro_batch_tokens=args.micro_batch_tokens,
+                    pack=True,
+                    dtype=dtype,
+                )
+            else:
+                report = verify(
+                    loaded.model,
+                    batch,
+                    loss_fn,
+                    micro_batch_size=args.micro_batch_size,
+                    autocast=autocast,
+                )
         except (TypeError, ValueError) as error:  # verify's own checks: bad input
             raise InputError(str(error).rstrip(".")) from error
     except InputError as error:
         return _fail(str(error))
     if notes:
-        report = dataclasses.replace(report, notes=[*report.notes, *notes])
+        both = (*report.notes, *notes)
+        report = dataclasses.replace(report, notes=tuple(both) if args.pack else list(both))
     print(report)
     return 0 if report.passed else 1

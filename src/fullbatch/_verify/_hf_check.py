@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from fullbatch._base._modelstate import disable_dropout
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._isolate import Untouched, isolated_copy
 from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
-from fullbatch._verify._state import disable_dropout
 
 __all__ = ["TrainerCheck", "check_trainer"]
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._split import count_rows
 from fullbatch._verify._additivity import check_additivity
 from fullbatch._verify._arms import (
@@ -33,9 +34,7 @@ from fullbatch._verify._precision import (
     widen_tolerance,
     working_copy,
 )
-from fullbatch._verify._report import VerifyReport
 from fullbatch._verify._share import ShareForm
-from fullbatch._verify._state import ModelSnapshot, disable_dropout
 from fullbatch._verify._verdict import Runs, build_report
 
 __all__ = ["verify"]
@@ -76,12 +75,14 @@ def verify(
     batch: Any,
     loss_fn: LossFn,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     rtol: float | None = None,
     counts: Mapping[str, Callable[[Any], Any]] | None = None,
-) -> VerifyReport:
+    micro_batch_tokens: int | None = None,
+    pack: bool = False,
+) -> Any:
     """Check that fullbatch's accumulated gradient equals the full-batch gradient.
 
     One step from the model's current parameters is computed three ways on ``batch``: the
@@ -134,8 +135,22 @@ def verify(
     Such a pass means "equal up to this precision's rounding", not more: for a tight proof
     compare in float32 (the default for bf16/fp16 models) or float64.
 
+        micro_batch_tokens, pack: ``pack=True`` with ``micro_batch_tokens=T`` (and no
+            ``micro_batch_size``) checks padding-free packing instead: ``batch`` (right-padded
+            rows with an ``attention_mask``) is packed as ``Accumulator(...,
+            micro_batch_tokens=T, pack=True)`` packs it, and ``loss_fn`` runs on the packed
+            micro-batches and on the same rows padded, from the same parameters. It passes
+            when the gradients agree within 10 times a measured rounding band (the padded
+            rows regrouped) and a leak probe finds exactly zero gradient of one row's loss on
+            another row's input embeddings; otherwise the report names the likely cause (the
+            cache left on, a 2-D mask, an encoder that ignores ``position_ids``, a model
+            without ``position_ids``, a sliding window). ``autocast`` and ``rtol`` do not
+            apply there.
+
     Returns:
-        A :class:`VerifyReport`: ``.passed``, ``.diagnosis`` and a readable ``str()``.
+        A :class:`VerifyReport`: ``.passed``, ``.diagnosis`` and a readable ``str()``; with
+        ``pack=True`` a ``PackingReport`` (``.passed``, ``.causes``, ``.grad_error``,
+        ``.leak``, ``str()``).
 
     Raises:
         TypeError, ValueError: bad arguments, or ``loss_fn`` not returning ``(loss_sum, count)``.
@@ -151,7 +166,12 @@ def verify(
     >>> fb.verify(model, batch, loss_fn, micro_batch_size=4).passed
     True
     """
+    if pack is not False or micro_batch_tokens is not None:
+        return _verify_packing(
+            model, batch, loss_fn, micro_batch_size, micro_batch_tokens, pack, dtype, autocast
+        )
     _check_arguments(model, loss_fn, micro_batch_size)
+    assert isinstance(micro_batch_size, int)
     autocast = check_autocast(autocast)
     rows = count_rows(batch)
     _check_split(rows, micro_batch_size)
@@ -188,6 +208,28 @@ def verify(
         if dropout is not None:
             dropout.restore()
         snapshot.restore()
+
+
+def _verify_packing(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    micro_batch_size: Any,
+    micro_batch_tokens: Any,
+    pack: Any,
+    dtype: torch.dtype | None,
+    autocast: Any,
+) -> Any:
+    if pack is not True or micro_batch_size is not None or autocast is not None:
+        raise ValueError(
+            "verify checks padding-free packing with pack=True and micro_batch_tokens=T "
+            "(no micro_batch_size, no autocast), and fullbatch's accumulation with "
+            f"micro_batch_size=M; got pack={pack!r}, micro_batch_tokens={micro_batch_tokens!r}, "
+            f"micro_batch_size={micro_batch_size!r}, autocast={autocast!r}."
+        )
+    from fullbatch._verify._pack_run import verify_packing
+
+    return verify_packing(model, batch, loss_fn, micro_batch_tokens=micro_batch_tokens, dtype=dtype)
 
 
 def _run_arms(

@@ -1,0 +1,224 @@
+"""Padding-free packing (``micro_batch_tokens=T, pack=True``): a window's rows packed
+first-fit-decreasing into micro-batches of at most ``T`` real tokens, each one packed row.
+
+Output format (DESIGN.md, "Contract, part 3"): every per-token tensor (dimension 1 is the
+window's padded length) holds the real tokens of its micro-batch's rows, concatenated, shape
+``[1, n, ...]``; ``position_ids`` restart at 0 at every row; the first label of every row is
+``-100`` under ``labels`` (so a causal shift never predicts across a boundary, and the count is
+the padded run's); no ``attention_mask``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, the
+row boundaries ``[0, l1, l1+l2, ...]``), ``max_length_q`` / ``max_length_k`` (the longest row)
+and ``use_cache=False``. A transformers causal LM that supports packed sequences then gives
+the exact step from ``model(**{k: v for k, v in micro.items() if k != "labels"})``.
+
+Rows are never split or truncated: a row longer than ``T`` is a micro-batch of its own (warned
+once). Empty rows (length 0) hold no token and are left out. Per-row tensors (a label per row)
+cannot follow their tokens into one packed row and are refused with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fullbatch._base._autosize import AutoSize
+from fullbatch._base._pack import Lengths, Packer
+from fullbatch._base._split import collate_rows, count_rows
+from fullbatch._base._warn import warn
+
+__all__ = [
+    "IGNORE",
+    "RowPacker",
+    "check_pack",
+    "first_fit_decreasing",
+    "make_packer",
+]
+
+IGNORE = -100
+_BUILT = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices per bin: rows longest first, each into the first bin it fits.
+
+    A row longer than ``budget`` gets a bin of its own. Rows of length 0 are left out.
+
+    >>> first_fit_decreasing([3, 7, 2, 5, 1], 8)
+    [[1, 4], [3, 0], [2]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep order
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n == 0:
+            continue
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return bins
+
+
+def check_pack(pack: Any, micro_batch_size: Any, micro_batches: Any, tokens: Any) -> bool:
+    """``pack`` as a bool; refused without ``micro_batch_tokens`` (before anything changes)."""
+    if not isinstance(pack, bool):
+        raise ValueError(f"pack must be True or False, got {pack!r}.")
+    if pack and tokens is None:
+        raise ValueError(
+            "pack=True packs each window's rows into micro-batches of at most T real tokens: "
+            "give micro_batch_tokens=T (or 'auto') with it, and have the loader yield whole "
+            f"windows; got micro_batches={micro_batches!r}, "
+            f"micro_batch_size={micro_batch_size!r}, micro_batch_tokens=None."
+        )
+    return pack
+
+
+class RowPacker:
+    """Turns one window item into packed micro-batches (one packed row each).
+
+    >>> mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    >>> item = {"input_ids": mask * 7, "attention_mask": mask, "labels": mask * 7}
+    >>> micros = RowPacker(micro_batch_tokens=4)(item)
+    >>> [m["position_ids"].tolist() for m in micros]
+    [[[0, 1, 2, 0]], [[0, 1]]]
+    >>> micros[0]["labels"].tolist(), micros[0]["cu_seq_lens_q"].tolist()
+    ([[-100, 7, 7, -100]], [0, 3, 4])
+    """
+
+    def __init__(self, *, micro_batch_tokens: int, lengths: Lengths = "attention_mask") -> None:
+        self.micro_batch_tokens = micro_batch_tokens
+        self.lengths = lengths
+        self._reader = Packer(micro_batch_tokens=1, lengths=lengths)
+        self._warned: set[str] = set()
+
+    def __call__(self, item: Any) -> list[dict[str, Any]]:
+        """The packed micro-batches of ``item``; ``[]`` for an item with no real token.
+
+        Raises:
+            ValueError: ``item`` is not a dict of tensors, is not right-padded, holds
+                per-row tensors or its own ``position_ids``, or its lengths cannot be read.
+        """
+        item, lengths, _ = self._read(item)
+        if lengths is None:
+            return []
+        budget = self.micro_batch_tokens
+        longest = max(lengths)
+        if longest > budget:
+            self._warn(
+                "long",
+                f"a row of {longest} tokens is longer than micro_batch_tokens={budget}: it is "
+                "a packed micro-batch of its own (exact, but larger than the budget). Raise "
+                "micro_batch_tokens or cut long rows in the loader.",
+            )
+        bins = first_fit_decreasing(lengths, budget)
+        return [self._build(item, rows, lengths) for rows in bins]
+
+    def cut(self, item: Any, size: int) -> list[dict[str, Any]]:
+        """``self(item)`` with another budget (``micro_batch_tokens="auto"``)."""
+        saved, self.micro_batch_tokens = self.micro_batch_tokens, size
+        try:
+            return self(item)
+        finally:
+            self.micro_batch_tokens = saved
+
+    def window_tokens(self, item: Any) -> int:
+        """Real tokens of the whole window (the budget that packs it into one micro-batch)."""
+        _, lengths, _ = self._read(item)
+        return 0 if lengths is None else sum(lengths)
+
+    # -- reading and building ------------------------------------------------------------------
+
+    def _read(self, item: Any) -> tuple[Any, list[int] | None, int]:
+        item = collate_rows(item)
+        if not isinstance(item, Mapping):
+            raise ValueError(
+                f"pack=True needs each loader item to be a dict of tensors (as a tokenizer or "
+                f"collator gives: input_ids, attention_mask, labels), got a "
+                f"{type(item).__name__}. Yield a dict, or use pack=False."
+            )
+        rows = count_rows(item)
+        if rows == 0:
+            return item, None, 0
+        lengths, width, right = self._reader._lengths(item, rows)
+        if not right:
+            raise ValueError(
+                f"pack=True needs right-padded rows, but the window's {self.lengths!r} is not "
+                "1...10...0 in every row (left padding?). Pad on the right "
+                "(tokenizer.padding_side = 'right'), or use pack=False (sorted rows, exact "
+                "with any padding)."
+            )
+        self._check_keys(item, rows, width)
+        out = [int(n) for n in lengths.tolist()]
+        return item, (out if any(out) else None), width
+
+    def _check_keys(self, item: Mapping[str, Any], rows: int, width: int) -> None:
+        own = self.lengths if isinstance(self.lengths, str) else None
+        for key, value in item.items():
+            if key in _BUILT:
+                raise ValueError(
+                    f"pack=True builds {key!r} itself (positions restarting at every row, row "
+                    f"boundaries), but the loader item already has one. Remove {key!r} from "
+                    "the loader's output."
+                )
+            if key == own or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if value.dim() < 2 or value.shape[1] != width:
+                raise ValueError(
+                    f"pack=True puts a micro-batch's rows into one packed row, so a tensor "
+                    f"with one entry per row cannot follow its tokens: item[{key!r}] has shape "
+                    f"{tuple(value.shape)} (rows={rows}, padded length={width}). Give it one "
+                    "entry per token (shape rows x positions, e.g. a sequence label repeated "
+                    "on the row's tokens), or use pack=False (micro_batch_tokens sorts and "
+                    "trims rows, which keeps per-row tensors)."
+                )
+
+    def _build(
+        self, item: Mapping[str, Any], rows: list[int], lengths: list[int]
+    ) -> dict[str, Any]:
+        skip = {"attention_mask", self.lengths if isinstance(self.lengths, str) else ""}
+        sizes = [lengths[r] for r in rows]
+        out: dict[str, Any] = {}
+        device = None
+        for key, value in item.items():
+            if key in skip:
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                out[key] = value
+                continue
+            device = value.device
+            packed = torch.cat([value[r, : lengths[r]] for r in rows])[None]
+            if key == "labels":
+                starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
+                packed = packed.clone()
+                packed[0, starts.to(packed.device)] = IGNORE
+            out[key] = packed
+        bounds = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+        bounds[1:] = torch.tensor(sizes).cumsum(0)
+        out["position_ids"] = torch.cat([torch.arange(n) for n in sizes])[None].to(device)
+        out["cu_seq_lens_q"] = bounds.to(device)
+        out["cu_seq_lens_k"] = bounds.clone().to(device)
+        out["max_length_q"] = out["max_length_k"] = max(sizes)
+        out["use_cache"] = False
+        return out
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warn(message)
+
+
+def make_packer(
+    micro_batch_tokens: int | str, lengths: Lengths
+) -> tuple[RowPacker, AutoSize | None]:
+    """The Accumulator's splitter for ``pack=True``, and an :class:`AutoSize` for "auto"."""
+    packer = RowPacker(micro_batch_tokens=1, lengths=lengths)
+    if micro_batch_tokens == "auto":
+        return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
+    packer.micro_batch_tokens = int(micro_batch_tokens)
+    return packer, None
