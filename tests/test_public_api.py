@@ -15,6 +15,8 @@ import fullbatch as fb
 # and the "verify" entry points (DESIGN "Beyond the anchors": a verify on the user's model).
 DOCUMENTED = {
     "Accumulator",
+    "Pipeline",
+    "PipelineLoss",
     "StepStats",
     "Window",
     "__version__",
@@ -25,6 +27,7 @@ DOCUMENTED = {
     "VerifyReport",
     "testing",
     "scale_lr",
+    "row_windows",
 }
 
 

@@ -19,15 +19,19 @@ if TYPE_CHECKING:
     from fullbatch import testing
     from fullbatch._base._losses import causal_lm_loss, count_tokens, cross_entropy_sum
     from fullbatch._base._lr import scale_lr
+    from fullbatch._base._rows import row_windows
     from fullbatch._base._stats import StepStats
     from fullbatch._engine._accumulator import Accumulator
     from fullbatch._engine._window import Window
+    from fullbatch._pipeline import Pipeline, PipelineLoss
     from fullbatch._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accumulator",
+    "Pipeline",
+    "PipelineLoss",
     "StepStats",
     "VerifyReport",
     "Window",
@@ -35,6 +39,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "row_windows",
     "scale_lr",
     "testing",
     "verify",
@@ -43,12 +48,15 @@ __all__ = [
 # public name -> the private module that defines it (a module itself when the name is "")
 _LAZY = {
     "Accumulator": "fullbatch._engine._accumulator",
+    "Pipeline": "fullbatch._pipeline",
+    "PipelineLoss": "fullbatch._pipeline",
     "StepStats": "fullbatch._base._stats",
     "VerifyReport": "fullbatch._verify",
     "Window": "fullbatch._engine._window",
     "causal_lm_loss": "fullbatch._base._losses",
     "count_tokens": "fullbatch._base._losses",
     "cross_entropy_sum": "fullbatch._base._losses",
+    "row_windows": "fullbatch._base._rows",
     "scale_lr": "fullbatch._base._lr",
     "testing": "fullbatch.testing",
     "verify": "fullbatch._verify",

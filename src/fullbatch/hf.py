@@ -22,8 +22,10 @@ loss instead:
 
 Loss kinds (``loss=``): ``"causal_lm"`` (next-token, labels aligned with the inputs, shifted
 here; a batch's ``shift_labels`` are used as they are), ``"masked_lm"`` (token targets, no shift:
-masked LM and token classification), ``"classification"`` (one integer label per row), or a
-function ``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
+masked LM and token classification), ``"classification"`` (one integer label per row),
+``"seq2seq"`` (encoder-decoders such as T5 and BART: decoder targets, no shift,
+``decoder_input_ids`` built from the labels as the model builds them), or a function
+``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
 
 :func:`check_trainer` runs a configured Trainer on copies, one window accumulated against the
 same rows as one full batch, and says whether its accumulation is exact.
@@ -53,16 +55,18 @@ from fullbatch._base._losses import cross_entropy_sum
 from fullbatch._base._normalize import check_count, grad_factor
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._versions import trainer_parallel_size
+from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
 from fullbatch._verify._hf_check import TrainerCheck, check_trainer
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
-LOSS_KINDS = ("causal_lm", "masked_lm", "classification")
+LOSS_KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
 
 # Trainer/model loss types (transformers' ``model.loss_type``) each built-in kind fits.
 _HEADS = {
     "causal_lm": {"ForCausalLM"},
+    "seq2seq": set(),  # encoder-decoders: fullbatch._hf_seq2seq.check_kind
     "masked_lm": {"ForMaskedLM", "ForTokenClassification"},
     "classification": {
         "ForSequenceClassification",
@@ -114,9 +118,10 @@ class ExactTrainer(Trainer):
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
-        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, or
+        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, ``"seq2seq"``, or
             ``fn(outputs, labels) -> (loss_sum, count)``: the loss *summed* over the
             micro-batch's items and how many items that is (``fb.cross_entropy_sum``).
+            Required unless a subclass overrides :meth:`exact_loss`.
 
     Raises:
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
@@ -125,7 +130,12 @@ class ExactTrainer(Trainer):
             DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
             LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
             shape does not fit the kind.
-        TypeError: a subclass that overrides ``compute_loss`` (it would not be called).
+        TypeError: a class that overrides ``compute_loss`` (it would not be called for
+            training) without an ``exact_loss`` that replaces it.
+
+    Any other Trainer subclass: ``class Exact(ExactTrainer, YourTrainer)`` and override
+    :meth:`exact_loss` with what ``YourTrainer.compute_loss`` computes, as a sum over the
+    micro-batch's items and their count; ``YourTrainer``'s other methods stay as they are.
 
     Example (tiny classifier; ``check_trainer`` proves the step equals the full batch):
 
@@ -146,16 +156,32 @@ class ExactTrainer(Trainer):
     True
     """
 
-    def __init__(self, *args: Any, loss: str | LossFn, **kwargs: Any) -> None:
-        if not callable(loss) and loss not in LOSS_KINDS:
+    def __init__(self, *args: Any, loss: str | LossFn | None = None, **kwargs: Any) -> None:
+        overridden = type(self).exact_loss is not ExactTrainer.exact_loss
+        if loss is None and not overridden:
+            raise ValueError(
+                f"{type(self).__name__} needs loss=: one of {LOSS_KINDS} or a function "
+                "fn(outputs, labels) -> (loss_sum, count) (or a subclass overriding exact_loss)."
+            )
+        if loss is not None and not callable(loss) and loss not in LOSS_KINDS:
             raise ValueError(
                 f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "
                 "fn(outputs, labels) -> (loss_sum, count)."
             )
-        if type(self).compute_loss is not Trainer.compute_loss:
+        cls = type(self)
+        mro = cls.__mro__
+        owner = next(c for c in mro if "compute_loss" in c.__dict__)
+        exact_owner = next(c for c in mro if "exact_loss" in c.__dict__)
+        if owner is not Trainer and (
+            exact_owner is ExactTrainer or mro.index(owner) < mro.index(exact_owner)
+        ):
             raise TypeError(
-                f"{type(self).__name__} overrides compute_loss, which ExactTrainer never calls "
-                "for training; move that loss into loss=fn(outputs, labels) -> (loss_sum, count)."
+                f"{cls.__name__} overrides compute_loss (in {owner.__name__}), which ExactTrainer "
+                "never calls for training. Keep what it adds by overriding "
+                "exact_loss(self, model, inputs) -> (loss_sum, count) in your class (the loss "
+                "summed over the micro-batch's items, not a mean), or move the loss into "
+                "loss=fn(outputs, labels) -> (loss_sum, count). See docs/integrations_trl.md "
+                "('Any other Trainer subclass')."
             )
         super().__init__(*args, **kwargs)
         self.fb_loss = loss
@@ -194,8 +220,9 @@ class ExactTrainer(Trainer):
                     f"ExactTrainer normalizes the loss itself and cannot be combined with "
                     f"{setting}: {fix}."
                 )
-        if callable(self.fb_loss):
+        if callable(self.fb_loss) or self.fb_loss is None:
             return
+        check_kind(self.fb_loss, self.accelerator.unwrap_model(self.model))
         head = getattr(self.accelerator.unwrap_model(self.model), "loss_type", None)
         known = set().union(*_HEADS.values())
         if head in known and head not in _HEADS[self.fb_loss]:
@@ -248,28 +275,50 @@ class ExactTrainer(Trainer):
         if callable(getattr(optimizer, "train", None)):  # schedule-free optimizers
             optimizer.train()
         inputs = dict(self._prepare_inputs(inputs))
+        with self.compute_loss_context_manager():
+            loss_sum, count = self.exact_loss(model, inputs)
+        loss_sum, count = self._validated(loss_sum, count)
+        self.accelerator.backward(loss_sum * self._fb_c)
+        stats = [loss_sum.detach().double().reshape(1), count.reshape(1), *self._micro_stats()]
+        self._fb_window.append(torch.cat([s.to(count) for s in stats]))
+        if not last:
+            return torch.zeros((), device=self.args.device)
+        return self._normalize(model)
+
+    def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """The micro-batch's loss *summed* over its items, and how many items that is.
+
+        The default runs ``model`` with the labels withheld and computes ``loss=`` from its
+        outputs. A subclass of another Trainer overrides it to keep what that Trainer's
+        ``compute_loss`` adds (see ``docs/integrations_trl.md``); ``training_step`` scales,
+        backpropagates and normalizes by the window's count.
+        """
         if "labels" not in inputs:
             raise ValueError(
                 f"the micro-batch has no 'labels' (keys: {sorted(inputs)}); ExactTrainer "
                 "computes the loss from them. Make the data collator return 'labels', with -100 "
                 "where nothing is predicted."
             )
+        inputs = dict(inputs)
         labels = inputs.pop("labels")
         shift_labels = inputs.pop("shift_labels", None)
-        with self.compute_loss_context_manager():
-            outputs = model(**inputs)
-            if callable(self.fb_loss):
-                loss_sum, count = self.fb_loss(outputs, labels)
-            elif shift_labels is not None and self.fb_loss == "causal_lm":
-                loss_sum, count = _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
-            else:
-                loss_sum, count = _kind_loss(self.fb_loss, outputs, labels, shifted=False)
-        loss_sum, count = self._validated(loss_sum, count)
-        self.accelerator.backward(loss_sum * self._fb_c)
-        self._fb_window.append(torch.stack([loss_sum.detach().double(), count]))
-        if not last:
-            return torch.zeros((), device=self.args.device)
-        return self._normalize(model)
+        if self.fb_loss == "seq2seq":
+            inputs = with_decoder_inputs(model, inputs, labels)
+        outputs = model(**inputs)
+        if callable(self.fb_loss):
+            return self.fb_loss(outputs, labels)
+        if shift_labels is not None and self.fb_loss == "causal_lm":
+            return _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
+        assert isinstance(self.fb_loss, str)  # __init__ refuses None without exact_loss
+        return _kind_loss(self.fb_loss, outputs, labels, shifted=False)
+
+    def _micro_stats(self) -> list[torch.Tensor]:
+        """Extra per-micro-batch sums (float64, 1-dim) summed over the window and all ranks
+        with the count in one all-reduce; :meth:`_window_end` receives the totals."""
+        return []
+
+    def _window_end(self, totals: list[float]) -> None:
+        """Called once per window with ``[loss_sum, count, *extras]`` over all ranks."""
 
     def _validated(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
@@ -291,7 +340,9 @@ class ExactTrainer(Trainer):
                     "DistributedDataParallel: ExactTrainer supports DDP only."
                 )
             totals = self.accelerator.reduce(totals, reduction="sum")
-        loss_sum, count = (float(v) for v in totals.cpu())
+        values = [float(v) for v in totals.cpu()]
+        self._window_end(values)
+        loss_sum, count = values[0], values[1]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if count == 0:
             warnings.warn(

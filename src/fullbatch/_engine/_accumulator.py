@@ -84,8 +84,14 @@ class Accumulator:
             micro-batches (distributed); by default the rank's last real micro-batch is used.
         ddp_sync: ``"last"`` (each rank's last micro-batch synchronizes) or ``"step"`` (one
             bucketed all-reduce at ``step()``: several backward calls, ranks with no data).
-        fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch) or
-            ``"micro_batch"`` (every micro-batch; less memory).
+        fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch; the default on
+            a 1-D mesh), ``"micro_batch"`` (every micro-batch; less memory) or, on a 2-D
+            (replicate, shard) HSDP mesh, ``"hybrid"`` (reduce-scatter every micro-batch, the
+            cross-replica all-reduce once per window; the default there).
+        context_parallel: the process group of ranks holding other pieces of this rank's rows
+            (context parallelism). Each rank counts the items it holds; counts are summed
+            over data-parallel x context-parallel ranks, and gradients over the CP group at
+            ``step()`` unless the wrapper's group already contains it.
         grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
         accumulate_dtype: ``torch.float32`` keeps a float32 gradient buffer for each bf16/fp16
             parameter across the window (4 bytes per such parameter element); the norm,
@@ -124,12 +130,13 @@ class Accumulator:
         batchnorm: str | None = None,
         padding_micro_batch: Callable[[], Any] | None = None,
         ddp_sync: str = "last",
-        fsdp_sync: str = "window",
+        fsdp_sync: str | None = None,
         grad_divisor: float | None = None,
         micro_batch_tokens: int | str | None = None,
         sort_rows: bool = False,
         lengths: Lengths = "attention_mask",
         accumulate_dtype: torch.dtype | None = None,
+        context_parallel: Any = None,
     ) -> None:
         micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
@@ -157,6 +164,7 @@ class Accumulator:
             ddp_sync=ddp_sync,
             fsdp_sync=fsdp_sync,
             grad_divisor=grad_divisor,
+            context_parallel=context_parallel,
         )
         params = trained_params(model, optimizer, distributed=sync.group is not None)
         # Before any hook is registered: a refusal leaves nothing behind.

@@ -197,11 +197,13 @@ class Resume:
                 "loop body."
             )
         sync = engine.sync
-        fsdp_window = sync.kind == "fsdp2" and getattr(sync, "mode", "") == "window"
-        if fsdp_window and not window.final_backward:
+        mode = getattr(sync, "mode", "")
+        fsdp_held = sync.kind == "fsdp2" and mode in ("window", "hybrid")
+        if fsdp_held and not window.final_backward:
+            what = "unsharded gradients" if mode == "window" else "partial (un-all-reduced) shards"
             raise RuntimeError(
                 f"acc.state_dict() inside window {window.index} with FSDP2 and "
-                "fsdp_sync='window': FSDP2 holds the window's unsharded gradients itself until "
+                f"fsdp_sync={mode!r}: FSDP2 holds the window's {what} itself until "
                 "the last micro-batch, out of a state's reach. Build the Accumulator with "
                 "fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-scattered into "
                 "the sharded .grad, which the state holds), or take the state at a window "

@@ -45,7 +45,8 @@ def _reduce_stats(
         parts[_COUNT] = counts + state.count_py
         parts[_BAD_COUNT] = bad
         if engine.sync.sharded:
-            parts[_SHARD_SQ] = squared_norm(grads, device)
+            # Ranks holding the same shard (HSDP replicas) each add their share.
+            parts[_SHARD_SQ] = squared_norm(grads, device) / engine.sync.norm_copies
         # The form is agreed over ranks: a rank without micro-batches made no call at all.
         form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
         parts[form_slot] += state.backwards
@@ -100,6 +101,8 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             f"in window {state.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
         )
+    # CP ranks beside the wrapper: sum their pieces (zeros here do not change norm or scale).
+    sync.combine_context_parallel(engine.params, grads if precision is not None else None)
     share = shares > 0
     scaler = engine.scaler
     loss_scale = 1.0 if share else state.loss_scale

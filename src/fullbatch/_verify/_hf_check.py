@@ -1,17 +1,21 @@
 """``fullbatch.hf.check_trainer``: is a configured Hugging Face Trainer's accumulation exact?
 
 It drives the Trainer's own per-window machinery (``get_batch_samples``, then ``training_step``
-for each micro-batch with the sync flag the Trainer's loop would set) on a copy of the model,
-twice from the same parameters: the rows of one window as ``K`` micro-batches, and the same
-rows as one micro-batch (what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch
-computes). The gradients the optimizer would receive are compared, and so are the losses the
-Trainer would log. Nothing of the user's is changed: the model is copied, the Trainer's
-attributes are restored, the RNG state is restored.
+for each micro-batch with the sync flag the Trainer's loop would set) on a copy of the model
+that shares nothing with it (:func:`fullbatch._verify._isolate.isolated_copy`), three times from the
+same parameters: the rows of one window as ``K`` micro-batches, the same rows as one micro-batch
+(what ``gradient_accumulation_steps=1`` with a ``K`` times bigger batch computes), and twice more
+for the rounding band: the full batch with its rows in another order, and the ``K``
+micro-batches given the full batch's shape (right-padded, filled with rows whose labels are all
+``-100``). Each pair is
+mathematically equal whatever the Trainer does with the loss, so their distance is the
+configured model's own rounding (float32 internals, kernels that change with the sequence
+length), and the tolerance is a multiple of it. Nothing of the
+user's is changed (model, gradients, Trainer attributes, RNG streams; checked on exit).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +25,8 @@ import torch
 
 from fullbatch._base._versions import get_batch_samples
 from fullbatch._verify._arms import compare, grad_norm, relative
-from fullbatch._verify._precision import TOLERANCES, dtype_name
+from fullbatch._verify._isolate import Untouched, isolated_copy
+from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
 from fullbatch._verify._state import disable_dropout
 
@@ -44,8 +49,10 @@ class TrainerCheck:
             ``loss`` is the loss the Trainer would log for the window).
         full_batch_loss: the loss the Trainer logs for the full batch; full_batch_grad_norm its
             gradient norm.
-        tolerance: relative tolerance (by parameter dtype: float64 1e-10, float32 1e-5,
-            bfloat16 2e-2, float16 2e-3; or ``rtol``).
+        tolerance: relative tolerance: ``rtol``, or ``BAND_FACTOR`` (4) times the measured
+            ``band``, at least ``FLOOR_ULPS`` units in the last place of the parameter dtype.
+        band: the model's rounding band: how far the full batch moves when only its rows'
+            order changes, or the window when only its micro-batches' shape does.
         dtype: the parameters' dtype.
         rows, micro_batches: rows of the window and the micro-batches they were split into.
         notes: what the check changed on its copy (dropout) and other remarks.
@@ -58,6 +65,7 @@ class TrainerCheck:
     full_batch_loss: float
     full_batch_grad_norm: float
     tolerance: float
+    band: float
     dtype: str
     rows: int
     micro_batches: int
@@ -67,7 +75,8 @@ class TrainerCheck:
         arm = self.accumulated
         lines = [
             f"fullbatch check_trainer: {'PASSED' if self.passed else 'FAILED'} ({self.trainer}, "
-            f"{self.dtype}, tolerance {self.tolerance:.3g} relative)",
+            f"{self.dtype}, tolerance {self.tolerance:.3g} relative; rounding band "
+            f"{self.band:.2g} measured)",
             f"window: {self.rows} rows as {self.micro_batches} micro-batches vs one full batch",
             f"  gradient error {_fmt(arm.global_rel_error)} (‖Δ‖/‖ref‖); grad norm "
             f"{arm.grad_norm:.6g} vs "
@@ -81,6 +90,10 @@ class TrainerCheck:
 
 #: The Trainer sums logged losses in a float32 tensor, so they are judged to this at best.
 LOSS_TOL = 1e-6
+#: The tolerance is never below this many units in the last place of the parameter dtype: a
+#: full batch whose permuted rows round identically (band 0) still sums micro-batches in
+#: another order.
+FLOOR_ULPS = 16
 
 
 def _error(arm: GradientComparison, tol: float) -> float:
@@ -93,11 +106,40 @@ def _error(arm: GradientComparison, tol: float) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, name: str) -> str:
+def _fix(trainer: Any) -> str:
+    """The fix that fits this Trainer's class."""
+    names = {c.__name__ for c in type(trainer).__mro__}
+    cls = type(trainer).__name__
+    if "ExactTrainer" in names:
+        return (
+            f"{cls} is fullbatch's, so its loss is at fault: loss= (or exact_loss) must return "
+            "the micro-batch's loss summed over its items and that count, for this head"
+        )
+    for trl_name in ("SFTTrainer", "DPOTrainer", "GRPOTrainer"):
+        if trl_name in names:
+            return f"use fullbatch.trl.Exact{trl_name} in place of trl.{trl_name} (same arguments)"
+    from transformers import Trainer
+
+    if type(trainer).compute_loss is not Trainer.compute_loss:
+        return (
+            f"{cls} overrides compute_loss: subclass class Exact(fullbatch.hf.ExactTrainer, "
+            f"{cls}) and override exact_loss(model, inputs) -> (loss_sum, count)"
+        )
+    return "use fullbatch.hf.ExactTrainer(..., loss=...) in place of the Trainer"
+
+
+def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, trainer: Any) -> str:
+    name = type(trainer).__name__
+    if not ref_norm > 0 or not arm.grad_norm > 0:
+        return (
+            f"no gradient reached the parameters (grad norm {arm.grad_norm:.3g} accumulated, "
+            f"{ref_norm:.3g} full batch): nothing was compared. Check that the model has "
+            "trainable parameters and that the rows have labels."
+        )
     if _error(arm, tol) <= 1:
         return f"accumulating {k} micro-batches gives the full-batch step ({name})."
-    fix = "use fullbatch.hf.ExactTrainer(..., loss=...) in place of the Trainer."
-    ratio = arm.grad_norm / ref_norm if ref_norm > 0 else math.nan
+    fix = _fix(trainer) + "."
+    ratio = arm.grad_norm / ref_norm
     if abs(ratio - k) < 0.5 * k - 0.5:
         return (
             f"the accumulated gradient norm is {ratio:.2f}x the full batch's: each micro-batch's "
@@ -105,8 +147,8 @@ def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, name
             f"head that accepts **kwargs but ignores num_items_in_batch); {fix}"
         )
     return (
-        f"the accumulated gradient is {_fmt(arm.global_rel_error)} off the full batch's: "
-        f"micro-batches are not weighted by their item counts; {fix}"
+        f"the accumulated gradient is {_fmt(arm.global_rel_error)} off the full batch's "
+        f"(tolerance {tol:.2g}): micro-batches are not weighted by their item counts; {fix}"
     )
 
 
@@ -129,6 +171,41 @@ def _rows_and_collator(
             f"per_device_train_batch_size), got {len(data)}."
         )
     return [data[i] for i in range(needed)], collate
+
+
+def _widened(micro: list[Any], full: Any) -> list[Any] | None:
+    """The micro-batches given the full batch's shape: right-padded to its width (masked
+    positions, ``-100`` labels) and, unless the rows are coupled (DPO's ``[chosen; rejected]``
+    halves), filled up to its rows with copies of their first row whose labels are all ``-100``.
+    Mathematically the same window, so its distance to the plain window is rounding from the
+    shapes alone (e.g. a float32 attention whose kernel changes with them). ``None`` when the
+    batches are not padded token batches with an ``attention_mask``."""
+    if not all(isinstance(m, dict) and isinstance(m.get("attention_mask"), torch.Tensor)
+               for m in [*micro, full]):  # fmt: skip
+        return None
+    full_rows, width = full["attention_mask"].shape[0], full["attention_mask"].shape[-1]
+    coupled = "completion_mask" in full
+    out = []
+    for m in micro:
+        rows, n = m["attention_mask"].shape[0], m["attention_mask"].shape[-1]
+        if m["attention_mask"].dim() != 2 or n > width:
+            return None
+        extra = 0 if coupled else max(full_rows - rows, 0)
+        wide = dict(m)
+        for key, value in m.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+                continue
+            ignored = key in ("labels", "shift_labels")
+            if value.dim() == 2 and value.shape[1] == n:
+                pad = value.new_full((rows, width - n), -100 if ignored else 0)
+                value = torch.cat([value, pad], dim=1)
+            if extra:
+                filler = value[:1].expand(extra, *value.shape[1:])
+                filler = torch.full_like(filler, -100) if ignored else filler
+                value = torch.cat([value, filler], dim=0)
+            wide[key] = value
+        out.append(wide)
+    return out
 
 
 def _run_window(trainer: Any, model: torch.nn.Module, batches: list[Any]) -> tuple[dict, float]:
@@ -171,8 +248,10 @@ def check_trainer(
     (what ``gradient_accumulation_steps=1`` with a batch that many times bigger computes), both
     from the model's current parameters, on a deep copy with dropout switched off. The gradient
     the optimizer would receive (before clipping) and the loss the Trainer would log are
-    compared. The model, its gradients, the Trainer's attributes and the RNG state are left as
-    they were. Single process only.
+    compared. The same full batch with its rows in another order measures the model's own
+    rounding band, which sets the tolerance. It never passes when no gradient reached the
+    parameters. The model, its gradients, the Trainer's attributes and the RNG streams are left
+    as they were (checked on exit). Single process only.
 
     Args:
         trainer: a configured ``transformers.Trainer`` (stock, a subclass, or
@@ -180,14 +259,16 @@ def check_trainer(
         rows: the rows to use, as the data collator takes them (default: the first rows of
             ``trainer.train_dataset``).
         micro_batches: micro-batches in the window (at least 2).
-        rtol: relative tolerance (default by parameter dtype: float64 1e-10, float32 1e-5).
+        rtol: relative tolerance (default: 4 times the measured rounding band, see
+            :class:`TrainerCheck`).
 
     Returns:
         a :class:`TrainerCheck`; print it for the verdict.
 
     Raises:
         ValueError: fewer than 2 micro-batches, or fewer rows than one window needs.
-        RuntimeError: called in a multi-process run.
+        RuntimeError: called in a multi-process run; the check wrote to the model itself
+            (something patched onto it still calls the original; gradients are restored).
 
     >>> import torch, tempfile
     >>> from transformers import BertConfig, BertForSequenceClassification, Trainer
@@ -218,18 +299,44 @@ def check_trainer(
     data, collate = _rows_and_collator(trainer, rows, k * size)
     micro = [collate(data[i * size : (i + 1) * size]) for i in range(k)]
     full = [collate(data)]
+    shuffled = [collate(data[1:] + data[:1])]  # the same rows, another order
+    widened = _widened(micro, full[0])  # the micro-batches shaped as the full batch
 
-    model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).train()
-    changed = disable_dropout(model).describe()
+    user_model = trainer.accelerator.unwrap_model(trainer.model)
+    with Untouched(trainer, user_model), torch.random.fork_rng(devices=[]):
+        model = isolated_copy(user_model).train()
+        changed = disable_dropout(model).describe()
+        ref, ref_loss = _run_window(trainer, model, full)
+        alt, alt_loss = _run_window(trainer, model, shuffled)
+        got, got_loss = _run_window(trainer, model, micro)
+        wide, wide_loss = _run_window(trainer, model, widened) if widened else (got, got_loss)
+        del model
     notes = [f"dropout switched off on the copy ({len(changed)} modules or attributes)"]
     notes = notes if changed else []
-    dtype = next(model.parameters()).dtype
-    tol = rtol if rtol is not None else TOLERANCES.get(dtype, 1e-5)
-    with torch.random.fork_rng(devices=[]):
-        ref, ref_loss = _run_window(trainer, model, full)
-        got, got_loss = _run_window(trainer, model, micro)
+    dtype = next(user_model.parameters()).dtype
     worst, worst_name, overall = compare(ref, got)
     ref_norm, got_norm = grad_norm(ref), grad_norm(got)
+    band = max(
+        compare(ref, alt)[2],
+        relative(grad_norm(alt), ref_norm),
+        relative(alt_loss, ref_loss) if abs(ref_loss) > 0 else 0.0,
+        compare(got, wide)[2],
+        relative(wide_loss, got_loss) if abs(got_loss) > 0 else 0.0,
+    )
+    if not widened:
+        notes.append(
+            "the micro-batches carry no attention_mask, so the band was measured by reordering "
+            "rows only (kernels that switch with the sequence length are not covered)"
+        )
+    floor = FLOOR_ULPS * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    tol = rtol if rtol is not None else max(BAND_FACTOR * band, floor)
+    if not band <= BAND_CAP:
+        tol = rtol if rtol is not None else floor
+        notes.append(
+            f"the full batch with its rows reordered moved by {band:.3g}: that is no rounding "
+            "(the model is random, not finite, or its rows interact), so the tolerance is "
+            f"{tol:.3g} (pass rtol= to choose it)"
+        )
     arm = GradientComparison(
         recipe=f"{k} micro-batches",
         max_rel_error=worst,
@@ -240,16 +347,16 @@ def check_trainer(
         grad_norm=got_norm,
         grad_norm_rel_error=relative(got_norm, ref_norm),
     )
-    name = type(trainer).__name__
-    passed = _error(arm, tol) <= 1
+    passed = ref_norm > 0 and got_norm > 0 and _error(arm, tol) <= 1
     return TrainerCheck(
         passed=passed,
-        reason=_diagnose(arm, ref_norm, k, tol, name),
-        trainer=name,
+        reason=_diagnose(arm, ref_norm, k, tol, trainer),
+        trainer=type(trainer).__name__,
         accumulated=arm,
         full_batch_loss=ref_loss,
         full_batch_grad_norm=ref_norm,
         tolerance=tol,
+        band=band,
         dtype=dtype_name(dtype),
         rows=len(data),
         micro_batches=k,

@@ -1,0 +1,141 @@
+"""FSDP2 over a 1-D mesh (shard) or a 2-D mesh (replicate, shard: HSDP).
+
+Every forward all-gathers, so ranks run the same number of micro-batches. Per micro-batch the
+wrapper's flags decide what communicates (torch 2.6-2.13 ``FSDPModule``):
+
+============== ============================== ==========================================
+``fsdp_sync``  non-final micro-batch           held between micro-batches (per rank)
+============== ============================== ==========================================
+``window``     nothing                         the unsharded gradients (model size)
+``micro_batch`` reduce-scatter (+ all-reduce)   the sharded ``.grad`` (model / shard)
+``hybrid``     reduce-scatter only (HSDP)      FSDP2's partial shard (model / shard)
+============== ============================== ==========================================
+
+The final micro-batch always reduce-scatters and, under HSDP, all-reduces over the replicas.
+``set_requires_gradient_sync(True)`` also turns the cross-replica all-reduce back on, so the
+flags are set in that order: gradient sync first, ``set_requires_all_reduce`` after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fullbatch._base._sync._base import Sync
+
+__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "fsdp_mesh"]
+
+FSDP_SYNC_MODES = ("window", "micro_batch", "hybrid")
+
+
+def fsdp_mesh(model: nn.Module) -> Any:
+    """The device mesh of the model's DTensor parameters (ValueError if it has none)."""
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        raise ValueError("the FSDP2 model has no DTensor parameters: call fully_shard first.")
+    return mesh
+
+
+def _fsdp_modules(model: nn.Module) -> list[Any]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups(model: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups (private ``FSDPParamGroup`` objects, torch 2.6-2.13)."""
+    groups: list[Any] = []
+    for module in _fsdp_modules(model):
+        state = module._get_fsdp_state()
+        plural = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.11
+        single = getattr(state, "_fsdp_param_group", None) if plural is None else None
+        groups.extend(plural if plural is not None else [single] if single is not None else [])
+    return groups
+
+
+def _divide_factor(model: nn.Module, default: float) -> float:
+    """What FSDP2 divides the summed gradients by: ``set_gradient_divide_factor`` or default."""
+    factors = {getattr(g, "gradient_divide_factor", None) for g in _param_groups(model)}
+    if len(factors) > 1:
+        shown = sorted(str(f) for f in factors)
+        raise ValueError(
+            f"the FSDP2 modules divide gradients by different factors {shown} "
+            "(set_gradient_divide_factor on some modules only): fullbatch undoes one divisor. "
+            "Call set_gradient_divide_factor with the same value on every FSDP module."
+        )
+    factor = factors.pop() if factors else None
+    return float(default if factor is None else factor)
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """One process group over every rank of ``mesh`` (the counting group)."""
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+class FSDPSync(Sync):
+    kind = "fsdp2"
+    sharded = True
+    equal_micro_batches = True
+
+    def __init__(
+        self, model: nn.Module, mode: str | None, divisor: float | None, *, mesh: Any = None
+    ) -> None:
+        super().__init__(model)
+        mesh = mesh if mesh is not None else fsdp_mesh(model)
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fullbatch supports FSDP2 over a 1-D (shard) or 2-D (replicate, shard) device "
+                f"mesh; got a {mesh.ndim}-D mesh {mesh}. Flatten the data-parallel dimensions."
+            )
+        self.hsdp = mesh.ndim == 2
+        if mode is None:
+            mode = "hybrid" if self.hsdp else "window"
+        if mode == "hybrid" and not self.hsdp:
+            raise ValueError(
+                "fsdp_sync='hybrid' defers the cross-replica all-reduce of HSDP, but the model "
+                f"is sharded over a 1-D mesh {mesh} (no replicas). Use fsdp_sync='window' "
+                "(reduce-scatter once per window) or fsdp_sync='micro_batch' (every "
+                "micro-batch, less memory)."
+            )
+        self.mode = mode
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if self.hsdp else None
+        self.group = mesh.get_group() if not self.hsdp else _mesh_group(mesh)
+        shards = dist.get_world_size(self.shard_group)
+        replicas = dist.get_world_size(self.replicate_group) if self.hsdp else 1
+        # FSDP2 averages over shard x replicate unless set_gradient_divide_factor says else.
+        self.divisor = float(divisor or _divide_factor(model, shards * replicas))
+        self.norm_copies = float(replicas)
+
+    def begin(self, final: bool) -> None:
+        # Order matters: set_requires_gradient_sync(True) also re-enables the all-reduce.
+        sync = final or self.mode in ("micro_batch", "hybrid")
+        self.model.set_requires_gradient_sync(sync)
+        if self.hsdp and sync and not final and self.mode == "hybrid":
+            self.model.set_requires_all_reduce(False)
+        self.model.set_is_last_backward(final)
+
+    def end(self) -> None:
+        self.model.set_requires_gradient_sync(True)  # both reductions back on
+        self.model.set_is_last_backward(True)
+
+    def forward_collective_modules(self) -> list[nn.Module]:
+        # Every FSDP2 module all-gathers its parameters before its forward.
+        return [m for m in _fsdp_modules(self.model) if isinstance(m, nn.Module)]
+
+    def drop_unreduced_grads(self) -> None:
+        # Without gradient sync, FSDP2 accumulates unsharded gradients on its own FSDPParam
+        # objects; with the all-reduce deferred (HSDP "hybrid"), a partial shard on the
+        # parameter group (private in torch 2.6-2.13); zero_grad() reaches neither.
+        for group in _param_groups(self.model):
+            if hasattr(group, "_partial_reduce_output"):
+                group._partial_reduce_output = None
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None

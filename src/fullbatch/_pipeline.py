@@ -1,0 +1,240 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) with exact optimizer steps.
+
+A pipeline schedule runs a loss per pipeline micro-batch on the last stage and, with
+``scale_grads=True`` (torch's default), divides every ``.grad`` — earlier schedule steps'
+too — by ``n_microbatches`` at the end of each ``schedule.step``; a mean loss per micro-batch
+is then a mean of means. fullbatch instead:
+
+- counts the window's items from the targets **before** any loss (on the last stage, summed
+  over every rank of the job, so over the data-parallel ranks),
+- hands the schedule a summed loss (:class:`PipelineLoss`) divided by that count once, so
+  every stage's gradient is already the window's full-batch gradient share,
+- refuses ``scale_grads=True`` and a loss that is not a :class:`PipelineLoss`,
+- sums gradients over the data-parallel ranks once per window (no DDP/FSDP wrapper needed on
+  the stages), agrees on the norm over all stages, clips, steps and clears.
+
+A window is one optimizer step: one or several ``schedule.step`` calls (``window.run``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fullbatch._base._normalize import squared_norm
+from fullbatch._base._stats import StepStats
+from fullbatch._base._sync._pipeline import PipelineComm
+
+__all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
+
+
+class PipelineLoss:
+    """The schedule's ``loss_fn``: ``fn(output, target)`` summed, divided by the window's count.
+
+    ``fn`` returns a summed loss, or ``(loss_sum, count)`` like :func:`cross_entropy_sum`
+    (the count is ignored: the window's count is known before the loss). Outside
+    :meth:`PipelineWindow.run` it raises, so a schedule cannot silently run unnormalized.
+
+    Example:
+        >>> import torch, fullbatch as fb
+        >>> loss = fb.PipelineLoss(fb.cross_entropy_sum)
+        >>> loss.normalizer = 4.0  # what PipelineWindow.run sets
+        >>> round(float(loss(torch.zeros(2, 3), torch.tensor([0, -100]))), 4)
+        0.2747
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.normalizer: float | None = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
+        if self.normalizer is None:
+            raise RuntimeError(
+                "a fullbatch.PipelineLoss ran outside a window: call schedule.step through "
+                "window = pipeline.window(targets); window.run(...), which sets the "
+                "window's count first."
+            )
+        out = self.fn(output, target, **kwargs)
+        loss_sum = out[0] if isinstance(out, tuple) else out
+        return loss_sum / self.normalizer
+
+
+def _labels(target: torch.Tensor) -> torch.Tensor:
+    return (target != -100).sum()
+
+
+def _stages(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)  # multi-stage schedules (interleaved)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+class Pipeline:
+    """Exact optimizer steps over a ``torch.distributed.pipelining`` schedule.
+
+    Args:
+        schedule: a schedule built with ``loss_fn=fb.PipelineLoss(<summed loss>)`` and
+            ``scale_grads=False`` (GPipe, 1F1B, interleaved 1F1B, ...).
+        optimizer: the optimizer over this rank's stage parameters.
+        count: items of one target (the last stage's labels); default: labels != -100.
+        dp_group: ranks holding the same stages with other data; their gradients are summed
+            once per window. ``None``: a single pipeline.
+        group: every rank of the job (all stages, all data-parallel ranks); default: world.
+        max_grad_norm: clip the total norm over all stages.
+        scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
+
+    Raises:
+        ValueError: ``scale_grads=True`` or a loss that is not a :class:`PipelineLoss`
+            (before anything runs), naming the fix.
+
+    Example (on every rank; ``schedule`` built as above)::
+
+        pipe = fb.Pipeline(schedule, optimizer, dp_group=dp)
+        window = pipe.window(targets if last_stage else None)  # the count, before any loss
+        for x, y in batches:                                   # one or several schedule steps
+            window.run(x if first_stage else None, target=y if last_stage else None)
+        stats = window.step()                                  # identical on every rank
+    """
+
+    def __init__(
+        self,
+        schedule: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        count: Callable[[torch.Tensor], Any] | None = None,
+        dp_group: Any = None,
+        group: Any = None,
+        max_grad_norm: float | None = None,
+        scheduler: Any = None,
+    ) -> None:
+        if getattr(schedule, "scale_grads", False):
+            raise ValueError(
+                f"{type(schedule).__name__} has scale_grads=True: it divides every .grad, "
+                "earlier schedule steps' too, by n_microbatches after each schedule.step. "
+                "Build it with scale_grads=False and loss_fn=fb.PipelineLoss(<summed loss>): "
+                "fullbatch normalizes once, by the window's count."
+            )
+        loss = getattr(schedule, "_loss_fn", None)
+        if not isinstance(loss, PipelineLoss):
+            raise ValueError(
+                f"the schedule's loss_fn is {loss!r}, not a fullbatch.PipelineLoss: a mean loss "
+                "per pipeline micro-batch is a mean of means. Build the schedule with "
+                "loss_fn=fb.PipelineLoss(fb.cross_entropy_sum) (any summed loss) and "
+                "scale_grads=False."
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}.")
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.loss = loss
+        self._count = count or _labels
+        self._comm = PipelineComm(group, dp_group)
+        self._last = any(getattr(s, "is_last", False) for s in _stages(schedule))
+        self._max_grad_norm = max_grad_norm
+        self._scheduler = scheduler
+        self.steps = 0
+        self.skipped_windows = 0
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def window(self, targets: Sequence[torch.Tensor] | None) -> PipelineWindow:
+        """Open a window: count its items (last stage: ``targets`` of every schedule step).
+
+        Every rank of the job calls it (one tiny all-reduce); other stages pass ``None``.
+        """
+        if any(p.grad is not None for p in self._params()):
+            raise RuntimeError(
+                "gradients are already present when a pipeline window opens; fullbatch "
+                "accumulates from zero. Call optimizer.zero_grad(set_to_none=True) first."
+            )
+        local = 0.0
+        if self._last and targets is not None:
+            local = float(sum(float(self._count(t)) for t in targets))
+        (count,) = self._comm.sum([local])
+        return PipelineWindow(self, count)
+
+
+class PipelineWindow:
+    """One optimizer step: ``run`` one or several schedule steps, then ``step()``."""
+
+    def __init__(self, pipeline: Pipeline, count: float) -> None:
+        self._pipe = pipeline
+        self.count = count
+        self.micro_batches = 0
+        # The schedule's losses of real micro-batches (already divided by N). Not summed in
+        # the loss function: torch's metadata inference calls it once more on a first step.
+        self._losses: list[torch.Tensor] = []
+
+    def run(
+        self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """``schedule.step(*args, target=target, losses=losses, **kwargs)``, the loss
+        normalized by the window's count; ``losses`` (last stage) receives each pipeline
+        micro-batch's ``loss_sum / N``."""
+        pipe = self._pipe
+        losses = [] if losses is None else losses
+        pipe.loss.normalizer = self.count if self.count > 0 else 1.0  # N = 0: skipped anyway
+        try:
+            out = pipe.schedule.step(*args, target=target, losses=losses, **kwargs)
+        finally:
+            pipe.loss.normalizer = None
+        self._losses.extend(t.detach() for t in losses)
+        self.micro_batches += int(getattr(pipe.schedule, "_n_microbatches", 1))
+        return out
+
+    def step(self) -> StepStats:
+        """Sum gradients over DP ranks, agree on the norm, clip, step, clear. Collective."""
+        pipe = self._pipe
+        params = pipe._params()
+        for p in params:
+            if p.grad is None:  # no backward reached it here: sum zeros (matched collectives)
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        pipe._comm.sum_grads(grads)
+        # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
+        sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
+        mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
+        loss, sq = pipe._comm.sum([mine, sq])  # the window's loss: Σ loss_sum / N
+        norm = math.sqrt(sq) if math.isfinite(sq) else math.nan
+        reason = None
+        if self.count == 0:
+            reason, norm = "no items counted in the window", math.nan
+        elif not math.isfinite(loss):
+            reason = "non-finite loss"
+        elif not math.isfinite(sq):
+            reason = "non-finite gradient"
+        if reason is None:
+            if pipe._max_grad_norm is not None:
+                clip = min(1.0, pipe._max_grad_norm / (norm + 1e-6))
+                for g in grads:
+                    g.mul_(clip)
+            pipe.optimizer.step()
+            pipe.steps += 1
+            if pipe._scheduler is not None:
+                pipe._scheduler.step()
+        else:
+            pipe.skipped_windows += 1
+        pipe.optimizer.zero_grad(set_to_none=True)
+        groups = pipe.optimizer.param_groups
+        return StepStats(
+            loss=loss if self.count else math.nan,
+            count=self.count,
+            grad_norm=norm,
+            skipped=reason is not None,
+            reason=reason,
+            steps=pipe.steps,
+            loss_scale=1.0 / self.count if self.count else 1.0,
+            lr=float(groups[0]["lr"]) if groups and "lr" in groups[0] else None,
+            micro_batches=self.micro_batches,
+            skipped_windows=pipe.skipped_windows,
+        )
+
+
+# Public at the root: reprs and pickles name fullbatch.Pipeline, whichever file defines it.
+Pipeline.__module__ = "fullbatch"
+PipelineLoss.__module__ = "fullbatch"
+# doctest skips classes whose __module__ is elsewhere: name the example here.
+__test__ = {"PipelineLoss": PipelineLoss}

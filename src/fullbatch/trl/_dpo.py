@@ -1,0 +1,161 @@
+"""``ExactDPOTrainer``: ``trl.DPOTrainer`` whose accumulated steps equal the full-batch step.
+
+TRL's DPO loss is ``Σ_j w_j · mean(ℓ_j)`` per micro-batch, divided by
+``gradient_accumulation_steps``: a pair-level term (``sigmoid``, ``hinge``, ``ipo``, ...) is the
+mean over the micro-batch's pairs and the ``sft`` term (the RPO recipe) the mean over its
+chosen tokens, so micro-batches of different sizes are weighted equally. Here the window's pair
+and chosen-token counts (all micro-batches, all DDP ranks; one all-reduce) are read before its
+first forward, and TRL's own loss runs on each micro-batch with the weights rescaled so that it
+returns that micro-batch's share of the window loss ``Σ_j w_j Σ ℓ_j / N_j`` (``N_j``: the
+window's pairs, or its chosen tokens for ``sft``). TRL's logged metrics are averaged over the
+window with the same weights TRL uses within a micro-batch (pairs, or tokens).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from trl import DPOTrainer
+
+from fullbatch.hf import ExactTrainer
+from fullbatch.trl._refuse import bind, common, moe_aux, refuse
+
+__all__ = ["ExactDPOTrainer"]
+
+#: Loss types whose per-pair value depends on the other pairs of the batch (sorted across it).
+_BATCH_COUPLED = {"aot", "aot_unpaired"}
+# Window counts per micro-batch: pairs, chosen tokens, rejected tokens.
+_PAIRS, _CHOSEN, _REJECTED = 0, 1, 2
+# The weight of each TRL metric: what TRL averages it over within one micro-batch.
+_METRIC_WEIGHT = {
+    "entropy": (_CHOSEN, _REJECTED),
+    "logits/chosen": (_CHOSEN,),
+    "logits/rejected": (_REJECTED,),
+    "mean_token_accuracy": (_CHOSEN,),
+}
+
+
+class ExactDPOTrainer(ExactTrainer, DPOTrainer):
+    """A ``trl.DPOTrainer`` whose every optimizer step equals the full-batch step.
+
+    Takes exactly ``DPOTrainer``'s arguments. Each step minimizes
+    ``Σ_j w_j · Σ_pairs ℓ_j / P_W`` over the window's ``P_W`` pairs (all micro-batches, all
+    DDP ranks, the partial last window by its own count) for every pair-level ``loss_type``
+    (``sigmoid``, ``hinge``, ``ipo``, ``exo_pair``, ``nca_pair``, ``robust``, ``bco_pair``,
+    ``sppo_hard``, ``apo_zero``, ``apo_down``, ``discopop``, ``sigmoid_norm``; with
+    ``f_divergence_type``, ``ld_alpha``, ``use_weighting``), and ``sft`` by the window's chosen
+    tokens. TRL's logged rewards, log-probabilities, logits, entropy and token accuracy are
+    those of the whole window; the logged loss is the window's loss.
+
+    Raises:
+        ValueError: before anything changes: ``aot``/``aot_unpaired`` (they sort the pairs of
+            a batch against each other, so no per-micro-batch sum equals the full batch's),
+            ``padding_free``, an enabled MoE router auxiliary loss, and what
+            :class:`fullbatch.trl.ExactSFTTrainer` refuses (``compute_loss_func``, DeepSpeed,
+            FSDP, LOMO).
+
+    Example: see ``docs/integrations_trl.md``.
+
+    >>> ExactDPOTrainer.__mro__[2].__name__
+    'DPOTrainer'
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = bind(DPOTrainer.__init__, args, kwargs)
+        config = given.get("args")
+        common("ExactDPOTrainer", config, given.get("compute_loss_func"))
+        types = getattr(config, "loss_type", ["sigmoid"]) or ["sigmoid"]
+        types = [types] if isinstance(types, str) else list(types)
+        coupled = sorted(set(types) & _BATCH_COUPLED)
+        refuse(
+            "ExactDPOTrainer",
+            {
+                f"loss_type={coupled}": "these losses sort the pairs of a batch against each "
+                "other, so no sum over micro-batches equals the full batch's; use another "
+                "loss_type or gradient_accumulation_steps=1"
+                if coupled
+                else None,
+                "padding_free=True": "pairs are counted from the padded [chosen; rejected] batch; "
+                "set padding_free=False"
+                if getattr(config, "padding_free", False)
+                else None,
+            },
+        )
+        moe_aux(
+            "ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
+        )
+        super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            moe_aux("ExactDPOTrainer", self.model, self.router_aux_loss_coef)
+        self._fb_counts = torch.zeros(0, 3)  # per micro-batch of the window, all ranks
+        self._fb_local = torch.zeros(0, 3)  # this rank's
+        self._fb_sums: dict[str, list[float]] = {}  # metric -> [weighted sum, weight]
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], None]:
+        """Read the window and count its pairs and completion tokens over all ranks."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        rows = []
+        for batch in batches:
+            shifted = batch["completion_mask"][..., 1:]
+            chosen, rejected = shifted.chunk(2, dim=0)
+            rows.append([chosen.shape[0], float(chosen.sum()), float(rejected.sum())])
+        local = torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+        counts = local.to(self.args.device)
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        self._fb_local, self._fb_counts = local, counts.cpu()
+        self._fb_sums = {}
+        return batches, None
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """ExactTrainer's micro-batch, inside TRL's activation-offloading context."""
+        with self.maybe_activation_offload_context:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """TRL's loss on this micro-batch, weighted to its share of the window's loss; returned
+        times the window's pairs, with the micro-batch's pairs as its count."""
+        k = len(self._fb_local) - self._fb_left - 1
+        totals = self._fb_counts.sum(0)
+        pairs, chosen = float(self._fb_local[k, _PAIRS]), float(self._fb_local[k, _CHOSEN])
+        shares = [
+            (chosen / float(totals[_CHOSEN]) if t == "sft" else pairs / float(totals[_PAIRS]))
+            for t in self.loss_types
+        ]
+        weights = self.loss_weights
+        metrics = self._metrics["train"]
+        before = {key: len(v) for key, v in metrics.items()}
+        self.loss_weights = [w * s for w, s in zip(weights, shares, strict=True)]
+        try:
+            loss = DPOTrainer._compute_loss(self, model, inputs, False)
+        finally:
+            self.loss_weights = weights
+        self._window_metrics(k, metrics, before)
+        return loss * totals[_PAIRS].item(), torch.tensor(pairs, device=loss.device)
+
+    def _window_metrics(self, k: int, metrics: dict[str, list[float]], before: dict) -> None:
+        """Move the metrics TRL appended for micro-batch ``k`` into window sums, weighted by
+        that micro-batch's count (all ranks) of what TRL averaged them over."""
+        for key in list(metrics):
+            if key == "num_tokens" or len(metrics[key]) <= before.get(key, 0):
+                continue
+            value = metrics[key].pop()
+            weight = float(self._fb_counts[k, list(_METRIC_WEIGHT.get(key, (_PAIRS,)))].sum())
+            total = self._fb_sums.setdefault(key, [0.0, 0.0])
+            total[0] += value * weight
+            total[1] += weight
+
+    def _window_end(self, totals: list[float]) -> None:
+        for key, (weighted, weight) in self._fb_sums.items():
+            self._metrics["train"][key].append(weighted / weight if weight > 0 else 0.0)
+        self._fb_sums = {}
+
+
+ExactDPOTrainer.__init__.__signature__ = inspect.signature(DPOTrainer.__init__)  # type: ignore[attr-defined]

@@ -1,0 +1,266 @@
+"""``ExactGRPOTrainer``: ``trl.GRPOTrainer`` whose every optimizer step is the window's objective.
+
+TRL cuts a generation batch into ``steps_per_generation`` slices and accumulates
+``gradient_accumulation_steps`` of them per optimizer step, normalizing each slice on its own.
+Whenever the two differ, or micro-batches hold different numbers of completion tokens, a step
+weights the window's sequences wrongly (DAPO at ``steps_per_generation=4,
+gradient_accumulation_steps=2``: each window's gradient 12-17% off, measured by
+``benchmarks/integration_grpo.py``). ``ExactGRPOTrainer`` keeps TRL's generation, rewards,
+advantages, per-token losses and metrics, and changes only the normalization:
+
+- when a window starts, it prepares every micro-batch of the window (generating where TRL
+  would generate, in TRL's order) and sums the window's sequences and completion tokens over
+  the micro-batches and the data-parallel ranks (one small all-reduce);
+- each micro-batch's policy term (with the KL term, which TRL adds per token) and its entropy
+  bonus get their own window denominator: sequences for ``grpo``/``sapo``, sequences times
+  ``max_completion_length`` for ``dr_grpo``, tokens for ``dapo``/``cispo`` and for the entropy
+  bonus. The multiplier from TRL's normalization to the window's is applied to the gradient
+  of the log-probabilities and of the entropies (a gradient-only scale), and the returned loss
+  value is corrected to the micro-batch's share of the window objective;
+- the MoE router loss is a statistic of a micro-batch's router load, not a sum over sequences:
+  it keeps TRL's weighting, the mean over the window's micro-batches on all ranks;
+- per-micro-batch metrics (entropy, KL, clip ratios) are merged into one value per window
+  (token-weighted means, window minima and maxima), and ``policy_loss`` is the window's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from typing import Any
+
+import torch
+
+from fullbatch.trl._grpo_window import SEQUENCE_LOSSES, TOKEN_LOSSES, GRPOWindow
+
+try:
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without trl
+    raise ImportError("fullbatch.trl needs TRL: pip install 'fullbatch[trl]'") from exc
+
+__all__ = ["ExactGRPOTrainer"]
+
+EXACT_LOSSES = SEQUENCE_LOSSES + TOKEN_LOSSES
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _check_config(config: Any) -> None:
+    """Refuse, before anything is built, what ExactGRPOTrainer cannot make exact."""
+    loss_type = getattr(config, "loss_type", None)
+    if loss_type == "bnpo":
+        raise ValueError(
+            "loss_type='bnpo' is defined by TRL as a mean of per-micro-batch token means, so "
+            "it has no full-batch form: it changes with the micro-batch size. Its full-batch "
+            "version is loss_type='dapo' (the window's summed per-token loss over its "
+            "completion tokens); ExactGRPOTrainer refuses 'bnpo' rather than change the "
+            "objective silently. Use GRPOConfig(loss_type='dapo')."
+        )
+    if loss_type not in EXACT_LOSSES:
+        raise ValueError(
+            f"ExactGRPOTrainer makes loss_type in {list(EXACT_LOSSES)} exact; got "
+            f"loss_type={loss_type!r}. Use one of those, or trl.GRPOTrainer for this one."
+        )
+    quantile = getattr(config, "top_entropy_quantile", 1.0)
+    if quantile < 1.0:
+        raise ValueError(
+            f"top_entropy_quantile={quantile} keeps the tokens above an entropy quantile of "
+            "each micro-batch, so the selected tokens change with the micro-batch size: no "
+            "window objective exists. Use top_entropy_quantile=1.0 with ExactGRPOTrainer."
+        )
+    if getattr(config, "deepspeed", None) or getattr(config, "fsdp", None):
+        raise ValueError(
+            "ExactGRPOTrainer is tested on one process and under DDP; DeepSpeed and FSDP "
+            "(deepspeed=, fsdp= in GRPOConfig) scale the loss with their own rules. Train "
+            "with DDP (torchrun, no deepspeed/fsdp), or use trl.GRPOTrainer."
+        )
+    if getattr(config, "n_gpu", 0) > 1:
+        raise ValueError(
+            f"n_gpu={config.n_gpu}: torch.nn.DataParallel over several GPUs averages losses "
+            "per GPU. Launch one process per GPU with torchrun (DDP) instead."
+        )
+
+
+class ExactGRPOTrainer(GRPOTrainer):
+    """A ``trl.GRPOTrainer`` whose every optimizer step is the objective over its sequences.
+
+    Same arguments as ``trl.GRPOTrainer``. For ``loss_type`` in ``grpo``, ``sapo``,
+    ``dr_grpo``, ``dapo``, ``cispo``, each optimizer step's gradient equals that of the
+    objective over exactly the step's sequences (all micro-batches, all ranks), for any
+    ``steps_per_generation``, ``gradient_accumulation_steps`` and ``num_iterations``:
+
+    - ``grpo``, ``sapo``: ``(1/|S_W|) Σ_i (1/T_i) Σ_t ℓ``
+    - ``dapo``, ``cispo``: ``Σ_i Σ_t ℓ / Σ_i T_i``
+    - ``dr_grpo``: ``Σ_i Σ_t ℓ / (|S_W| · max_completion_length)``
+
+    with the KL term (``beta``) inside ``ℓ`` as TRL has it, minus ``entropy_coef`` times the
+    window's token-mean entropy.
+
+    Raises:
+        ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
+            ``'dapo'``) or another loss type, ``top_entropy_quantile < 1``, DeepSpeed, FSDP,
+            or DataParallel over several GPUs.
+        RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
+
+    Example (see tests/test_trl_grpo.py for a whole run on a tiny model)::
+
+        from fullbatch.trl import ExactGRPOTrainer   # instead of: from trl import GRPOTrainer
+        trainer = ExactGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
+                                   train_dataset=prompts, processing_class=tokenizer)
+        trainer.train()
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")
+        if config is not None:  # None: TRL's default GRPOConfig (dapo), which is accepted
+            _check_config(config)
+        super().__init__(*args, **kwargs)
+        self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
+        self._fb_window: GRPOWindow | None = None
+        self._fb_position = 0
+        self._fb_scales: tuple[float, float] | None = None
+        self._fb_captured: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def _training(self) -> bool:
+        return bool(getattr(self.model, "training", False))
+
+    # -- the window, read ahead ---------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """Fetch the window's loader items, prepare all its micro-batches, count the window."""
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        # TRL's _prepare_inputs takes its training branch only in train mode (after an
+        # evaluation the model is still in eval mode here; training_step sets train anyway).
+        if self.model is not None:
+            self.model.train()
+        first, prepared = self._step, []
+        try:
+            for j, item in enumerate(batch_samples):
+                self._step = first + j  # TRL picks the buffer slice and generates by _step
+                prepared.append(GRPOTrainer._prepare_inputs(self, item))
+        finally:
+            self._step = first
+        self._fb_window = self._count_window(prepared)
+        self._fb_queue = deque((inputs, j) for j, inputs in enumerate(prepared))
+        return batch_samples, num_items
+
+    def _count_window(self, prepared: list[dict[str, Any]]) -> GRPOWindow:
+        rows, tokens, generation = [], [], []
+        for inputs in prepared:
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            rows.append(float(mask.shape[0]))
+            tokens.append(float(mask.sum()))
+            generation.append(float(inputs["num_items_in_batch"]))
+        local = torch.tensor(rows + tokens, dtype=torch.float64, device=self.accelerator.device)
+        world = self.accelerator.num_processes
+        total = self.accelerator.reduce(local, reduction="sum") if world > 1 else local
+        k = len(rows)
+        both = total.tolist()
+        return GRPOWindow(rows, tokens, both[:k], both[k:], generation, world=world)
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        if not self._training():
+            return super()._prepare_inputs(generation_batch)
+        if not self._fb_queue:
+            raise RuntimeError(
+                "ExactGRPOTrainer prepares a window's micro-batches when the window starts "
+                "(in get_batch_samples, called by Trainer.train); training_step was called "
+                "without it. Train with trainer.train()."
+            )
+        inputs, self._fb_position = self._fb_queue.popleft()
+        return inputs
+
+    # -- the loss -------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._fb_scales is None:
+            return logps, entropies, aux
+        policy, entropy = self._fb_scales
+        self._fb_captured = (
+            None if entropies is None else entropies.detach(),
+            None if aux is None else aux.detach(),
+        )
+        logps = _ScaleGrad.apply(logps, policy)
+        if entropies is not None:
+            entropies = _ScaleGrad.apply(entropies, entropy)
+        return logps, entropies, aux
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        window = self._fb_window
+        if not self._training() or window is None:
+            return super()._compute_loss(model, inputs)
+        j = self._fb_position
+        config: Any = self.args
+        policy, entropy = window.scales(j, self.loss_type, config.steps_per_generation)
+        # the entropy coefficient this micro-batch applies (TRL updates it at the window's end)
+        coef = 0.0
+        if self._entropy_bonus_enabled:
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy and self._last_world_entropy > config.entropy_target:
+                coef = 0.0
+        metrics = self._metrics["train"]
+        before = {key: len(values) for key, values in metrics.items()}
+        self._fb_scales = (policy, entropy)
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._fb_scales = None
+        entropies, aux = self._fb_captured
+        self._fb_captured = (None, None)
+        k = len(window)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        value = loss.detach()
+        bonus = torch.zeros((), dtype=value.dtype, device=value.device)
+        if coef and entropies is not None:
+            mean = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+            bonus = (-coef * mean / k).to(value.dtype)
+        router = torch.zeros((), dtype=value.dtype, device=value.device)
+        if self.aux_loss_enabled and aux is not None:
+            router = (self.router_aux_loss_coef * aux / k).to(value.dtype)
+        stock_policy = value - bonus - router
+        # the value: this micro-batch's share of the window objective (gradients are scaled)
+        loss = loss + ((policy - 1.0) * stock_policy + (entropy - 1.0) * bonus)
+        if self._entropy_bonus_enabled:  # TRL logs policy_loss only with an entropy bonus
+            window.policy_share += float(policy * stock_policy)
+        self._merge_metrics(window, j, metrics, before)
+        return loss
+
+    def _merge_metrics(
+        self, window: GRPOWindow, j: int, metrics: Any, before: dict[str, int]
+    ) -> None:
+        keys = set(GRPOWindow.merged_keys())
+        appended: dict[str, list[float]] = {}
+        for key in list(metrics):
+            if key in keys and len(metrics[key]) > before.get(key, 0):
+                appended[key] = metrics[key][before.get(key, 0) :]
+                del metrics[key][before.get(key, 0) :]
+        by_rows = self.importance_sampling_level == "sequence"
+        window.add_metrics(j, appended, by_rows=by_rows)
+        had_policy = len(metrics.get("policy_loss", [])) > before.get("policy_loss", 0)
+        if had_policy:
+            del metrics["policy_loss"][before.get("policy_loss", 0) :]
+        if j == len(window) - 1:
+            for key, value in window.merged_metrics().items():
+                metrics[key].append(value)
+            if had_policy:
+                share = torch.tensor(window.policy_share, device=self.accelerator.device)
+                if window.world > 1:
+                    share = self.accelerator.reduce(share, reduction="sum")
+                metrics["policy_loss"].append(float(share) / window.world)

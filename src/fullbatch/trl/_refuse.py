@@ -1,0 +1,76 @@
+"""Settings a fullbatch TRL trainer refuses, checked before TRL touches the model.
+
+TRL's constructors patch the user's model (a fused LM head, pad and eos token ids), so every
+refusal that can be decided from the arguments is made here, before ``super().__init__``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def bind(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's arguments by name (``init`` is TRL's ``__init__``, unbound)."""
+    bound = inspect.signature(init).bind(None, *args, **kwargs)
+    return dict(list(bound.arguments.items())[1:])
+
+
+def refuse(trainer: str, settings: dict[str, str | None]) -> None:
+    """Raise ``ValueError`` for the first setting with a reason (``None``: accepted)."""
+    for setting, why in settings.items():
+        if why is not None:
+            raise ValueError(f"{trainer} refuses {setting}: {why}")
+
+
+def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
+    """Refusals every fullbatch TRL trainer shares (``config``: the TRL config or None)."""
+    get = (
+        (lambda name, default=None: default)
+        if config is None
+        else (lambda name, default=None: getattr(config, name, default))
+    )
+    optim = str(get("optim", ""))
+    refuse(
+        trainer,
+        {
+            "compute_loss_func": "fullbatch computes the loss sum and count itself; subclass "
+            "and override exact_loss(model, inputs) -> (loss_sum, count) instead"
+            if compute_loss_func is not None
+            else None,
+            f"label_smoothing_factor={get('label_smoothing_factor', 0.0)}": "TRL computes the "
+            "smoothed loss from a second forward pass as a per-micro-batch mean; set it to 0"
+            if get("label_smoothing_factor", 0.0)
+            else None,
+            "deepspeed": "DeepSpeed scales the loss itself; use DDP (torchrun)"
+            if get("deepspeed")
+            else None,
+            "fsdp": "FSDP is not supported by fullbatch's Trainer integrations yet; use DDP"
+            if get("fsdp")
+            else None,
+            f"optim={optim}": "LOMO optimizers backpropagate themselves; use another optimizer"
+            if "lomo" in optim.lower()
+            else None,
+        },
+    )
+
+
+def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
+    """Refuse an enabled MoE router auxiliary loss: it is a nonlinear function of the whole
+    batch's routing (fractions times mean probabilities), so no sum over micro-batches equals
+    the full batch's."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return
+    text = config.get_text_config()
+    if not hasattr(text, "output_router_logits"):
+        return
+    weight = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if weight:
+        raise ValueError(
+            f"{trainer} refuses the MoE router auxiliary loss (router_aux_loss_coef={weight}): "
+            "the load-balancing loss multiplies the batch's expert fractions by its mean router "
+            "probabilities, so no sum over micro-batches equals the full batch's. Pass "
+            "router_aux_loss_coef=0.0 in the config to train without it."
+        )

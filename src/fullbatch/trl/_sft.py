@@ -1,0 +1,120 @@
+"""``ExactSFTTrainer``: ``trl.SFTTrainer`` whose accumulated steps equal the full-batch step.
+
+TRL's own loss is ``Σ -log p / num_items_in_batch``, exact only when the Trainer counts the
+window's tokens, which it does only for models that accept loss kwargs: Gemma 4
+(``accepts_loss_kwargs = False``) gets a per-micro-batch mean divided by
+``gradient_accumulation_steps``. Here the micro-batch's loss *sum* and target count come from
+TRL's fused LM head (the same per-token log-probabilities, entropies and top-1 hits TRL uses),
+and :class:`fullbatch.hf.ExactTrainer`'s window normalization divides by the window's count
+over all micro-batches and DDP ranks. TRL's metrics (``entropy``, ``mean_token_accuracy``,
+``num_tokens``) are summed over the window in the same all-reduce as the count.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from trl import SFTTrainer
+
+from fullbatch.hf import ExactTrainer
+from fullbatch.trl._refuse import bind, common, moe_aux
+
+__all__ = ["ExactSFTTrainer"]
+
+
+class ExactSFTTrainer(ExactTrainer, SFTTrainer):
+    """A ``trl.SFTTrainer`` whose every optimizer step equals the full-batch step.
+
+    Takes exactly ``SFTTrainer``'s arguments. Each step's loss is
+    ``Σ ℓ_t / N_W`` over the window's target tokens (all micro-batches, all DDP ranks; the
+    partial last window by its own count), ``ℓ_t = -log p_t`` (``loss_type="nll"``) or
+    ``-p_t log p_t`` with ``p_t`` detached (``"dft"``). Kept and exact: prompt-completion
+    (completion-only) and conversational (assistant-only) loss, packing (``"bfd"``,
+    ``padding_free``; ``"wrapped"`` packs rows that attend to each other, as TRL documents),
+    TRL's fused LM head and logged metrics (over the whole window), the logged loss (the
+    window's true loss).
+
+    Raises:
+        ValueError: before anything changes, settings that cannot be exact, each with the
+            reason: ``compute_loss_func``, ``label_smoothing_factor``, an enabled MoE router
+            auxiliary loss, DeepSpeed, FSDP, LOMO; after ``SFTTrainer`` set up, what
+            :class:`fullbatch.hf.ExactTrainer` refuses (DataParallel, tensor parallelism).
+
+    Example (tiny Llama, character tokenizer; the check proves the step exact):
+
+    >>> import tempfile, warnings
+    >>> from datasets import Dataset
+    >>> from trl import SFTConfig
+    >>> from fullbatch._demo._trl_tiny import tiny_causal_lm, char_tokenizer
+    >>> import fullbatch.hf, fullbatch.trl
+    >>> rows = Dataset.from_list([{"prompt": "ab" * (i + 1), "completion": "cd" * (3 - i % 3)}
+    ...     for i in range(8)])
+    >>> config = SFTConfig(tempfile.mkdtemp(), per_device_train_batch_size=2,
+    ...     gradient_accumulation_steps=4, use_cpu=True, report_to=[], save_strategy="no")
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     trainer = fullbatch.trl.ExactSFTTrainer(model=tiny_causal_lm("llama"), args=config,
+    ...         train_dataset=rows, processing_class=char_tokenizer())
+    >>> fullbatch.hf.check_trainer(trainer).passed
+    True
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = bind(SFTTrainer.__init__, args, kwargs)
+        config = given.get("args")
+        common("ExactSFTTrainer", config, given.get("compute_loss_func"))
+        moe_aux(
+            "ExactSFTTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
+        )
+        super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:  # a model loaded by name, now known
+            moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
+        self._fb_stats: list[torch.Tensor] = []
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """ExactTrainer's micro-batch, inside TRL's activation-offloading context."""
+        with self.maybe_activation_offload_context:
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """TRL's per-token loss summed over the micro-batch's targets, and their count."""
+        if "labels" not in inputs:
+            raise ValueError(
+                f"the micro-batch has no 'labels' (keys: {sorted(inputs)}); SFTTrainer's "
+                "collators build them. A custom data_collator must return 'labels' (-100 where "
+                "nothing is predicted)."
+            )
+        outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
+        log_probs = outputs.log_probs  # zero on ignored positions
+        per_token = -log_probs
+        if getattr(self.args, "loss_type", "nll") == "dft":  # an SFTConfig's
+            per_token = per_token * log_probs.exp().detach()
+        mask = outputs.label_mask
+        if "attention_mask" in inputs:
+            tokens = inputs["attention_mask"].sum()
+        elif "position_ids" in inputs:
+            tokens = torch.tensor(inputs["position_ids"].size(1))
+        else:
+            raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+        entropy = outputs.entropy.detach().sum()
+        self._fb_stats = [entropy, outputs.is_top1.sum(), tokens]
+        return per_token.sum(), mask.sum()
+
+    def _micro_stats(self) -> list[torch.Tensor]:
+        stats, self._fb_stats = self._fb_stats, []
+        return [s.detach().double().reshape(1).to(self.args.device) for s in stats]
+
+    def _window_end(self, totals: list[float]) -> None:
+        _, count, entropy, correct, tokens = totals
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(entropy / count if count > 0 else 0.0)
+        metrics["mean_token_accuracy"].append(correct / count if count > 0 else 0.0)
+        self._total_train_tokens += int(tokens) // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+
+ExactSFTTrainer.__init__.__signature__ = inspect.signature(SFTTrainer.__init__)  # type: ignore[attr-defined]
