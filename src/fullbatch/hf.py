@@ -233,12 +233,9 @@ class ExactTrainer(Trainer):
             )
 
     def get_batch_samples(
-        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device | None = None
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
     ) -> tuple[list[Any], None]:
-        """Read the next window's micro-batches (no counting here: counts come from the loss).
-
-        ``device`` is unused and optional: transformers 4.46's loop does not pass it.
-        """
+        """Read the next window's micro-batches (no counting here: counts come from the loss)."""
         batches = []
         for _ in range(num_batches):
             try:

@@ -7,25 +7,16 @@
 - **Trainer parallelism sizes**: ``Trainer.get_cp_size`` / ``get_sp_size`` (context and
   sequence parallelism) exist only in recent transformers (not in 4.57); a Trainer without
   them has no such parallelism, so :func:`trainer_parallel_size` counts them as 1.
-- **Trainer.get_batch_samples** takes ``(epoch_iterator, num_batches)`` in transformers 4.46
-  and gained a ``device`` argument later; :func:`get_batch_samples` passes it where accepted.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = [
-    "FSDP2_CPU_TORCH",
-    "check_fsdp2_device",
-    "get_batch_samples",
-    "torch_version",
-    "trainer_parallel_size",
-]
+__all__ = ["FSDP2_CPU_TORCH", "check_fsdp2_device", "torch_version", "trainer_parallel_size"]
 
 #: the first torch release whose CPU stream has record_event (pytorch#145935)
 FSDP2_CPU_TORCH = (2, 7)
@@ -74,18 +65,3 @@ def trainer_parallel_size(trainer: Any) -> int:
         getter = getattr(trainer, name, None)
         size *= int(getter()) if callable(getter) else 1
     return size
-
-
-def get_batch_samples(trainer: Any, batches: Any, num_batches: int) -> tuple[list[Any], Any]:
-    """``trainer.get_batch_samples`` with the ``device`` argument only where it takes one.
-
-    >>> class OldTrainer:  # transformers 4.46
-    ...     def get_batch_samples(self, epoch_iterator, num_batches):
-    ...         return [next(epoch_iterator) for _ in range(num_batches)], None
-    >>> get_batch_samples(OldTrainer(), iter([1, 2, 3]), 2)
-    ([1, 2], None)
-    """
-    method = trainer.get_batch_samples
-    if "device" in inspect.signature(method).parameters:
-        return method(batches, num_batches, trainer.args.device)
-    return method(batches, num_batches)

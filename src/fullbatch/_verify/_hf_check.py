@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._versions import get_batch_samples
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._isolate import Untouched, isolated_copy
 from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
@@ -216,7 +215,7 @@ def _run_window(trainer: Any, model: torch.nn.Module, batches: list[Any]) -> tup
     state = trainer.accelerator.gradient_state
     sync = state.sync_gradients
     try:
-        got, n_items = get_batch_samples(trainer, iter(batches), len(batches))
+        got, n_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         trainer.current_gradient_accumulation_steps = len(got)
         logged = 0.0
         for i, micro in enumerate(got):
