@@ -108,7 +108,45 @@ def training_args(out: str, *, k: int, batch: int, **overrides: Any) -> Any:
         seed=0,
     )
     options.update(overrides)
+    missing = sorted(set(overrides) - _fields())
+    if missing:
+        import pytest
+        import transformers
+
+        found = transformers.__version__
+        pytest.skip(f"TrainingArguments has no {missing} in transformers {found}")
+    if not _has_sampling_strategy():  # older transformers: see in_order()
+        assert options.pop("train_sampling_strategy") == "sequential"
     return TrainingArguments(out, **options)
+
+
+def _fields() -> set[str]:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _has_sampling_strategy() -> bool:
+    return "train_sampling_strategy" in _fields()
+
+
+def in_order(trainer: Any) -> Any:
+    """The trainer, reading the dataset in order on every transformers version.
+
+    ``training_args`` asks for ``train_sampling_strategy="sequential"``; TrainingArguments lacks
+    that field in older transformers (4.46, 4.53), whose Trainers always shuffle, so there the
+    trainer's sampler is replaced by a ``SequentialSampler`` (what "sequential" builds).
+    """
+    if not _has_sampling_strategy():
+        from torch.utils.data import SequentialSampler
+
+        def sampler(*args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(trainer.train_dataset)
+
+        trainer._get_train_sampler = sampler
+    return trainer
 
 
 def run(
@@ -149,7 +187,7 @@ def run(
             from fullbatch.hf import ExactTrainer
 
             trainer = ExactTrainer(**kwargs, loss=exact)
-        trainer.train()
+        in_order(trainer).train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"steps": steps, "losses": losses, "seen": collator.seen, "trainer": trainer}
 

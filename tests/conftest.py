@@ -28,7 +28,10 @@ Batch = dict[str, torch.Tensor]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """FSDP2 on CPU needs torch >= 2.7 (pytorch#145935): below it, those tests are skipped."""
+    """FSDP2 on CPU needs torch >= 2.7 (pytorch#145935): below it, those tests are skipped.
+
+    An FSDP2 test says so in its name (fsdp, hsdp) or with the ``fsdp2`` marker.
+    """
     from fullbatch._base._versions import FSDP2_CPU_TORCH, torch_version
 
     if torch_version() >= FSDP2_CPU_TORCH:
@@ -37,7 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason=f"FSDP2 on CPU needs torch >= 2.7 (pytorch#145935), found {torch.__version__}"
     )
     for item in items:
-        if "fsdp" in item.nodeid.lower():
+        name = item.nodeid.lower()
+        if "fsdp" in name or "hsdp" in name or item.get_closest_marker("fsdp2"):
             item.add_marker(skip)
 
 

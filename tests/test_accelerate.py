@@ -361,6 +361,14 @@ def test_even_batches_with_varying_batch_sizes_repeats_whole_batches() -> None:
     def shard(process: int) -> DataLoaderShard:
         return DataLoaderShard(data, batch_sampler=BatchSamplerShard(budgets, 3, process))
 
+    try:
+        shard(0)
+    except ValueError as error:  # older accelerate refuses such samplers with even_batches
+        if "even_batches=False" not in str(error):
+            raise
+        import accelerate
+
+        pytest.skip(f"accelerate {accelerate.__version__} refuses this itself: {error}")
     read = [i for p in range(3) for batch in shard(p) for i in batch.tolist()]
     assert sorted(read) == sorted([*range(10), 0, 1, 2, 3, 4])  # batches [0, 1, 2] and [3, 4] again
     model = make_lm()

@@ -86,7 +86,7 @@ def test_rank_without_data_and_no_padding_raises_everywhere(wrapper: str) -> Non
         assert "padding_micro_batch" in res.error
 
 
-def test_split_windows_pad_with_one_micro_batch_not_the_whole_batch() -> None:
+def test_fsdp2_split_windows_pad_one_micro_batch_not_the_whole_batch() -> None:
     results = values(run_ranks(cases.split_padding, 2))
     assert results[0]["seen"] == [(False, 2)] * 4
     assert results[1]["seen"] == [(False, 2), (False, 2), (False, 1), (True, 1)]

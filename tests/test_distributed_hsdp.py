@@ -12,7 +12,7 @@ import torch
 import _dist_scale as cases
 from _dist import run_ranks, values
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fsdp2]  # every case runs under FSDP2
 
 # Measured rounding band: the worst relative error over every case was 3e-16 (float64).
 TOL = 1e-12

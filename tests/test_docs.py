@@ -51,6 +51,8 @@ from typing import Any
 
 import pytest
 
+from fullbatch._base._versions import FSDP2_CPU_TORCH, torch_version
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 DOC_PAGES = sorted(DOCS.glob("*.md"))
@@ -293,6 +295,8 @@ def test_python_example_runs(block: Block, tmp_path: Path) -> None:
     block.compiled()  # every block, run or not, is valid Python
     if block.mode == "no-run":
         pytest.skip("marked no-run: compiled, not executed")
+    if "fully_shard" in block.code and torch_version() < FSDP2_CPU_TORCH:
+        pytest.skip(f"FSDP2 on CPU needs torch >= 2.7 (pytorch#145935), found {torch_version()}")
     if block.mode == "torchrun":
         printed = _run_torchrun(block, tmp_path)
     else:

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+import transformers
 
 import fullbatch as fb
 import fullbatch.hf as fbhf
@@ -25,6 +26,7 @@ from _hf_cases import (
     Collator,
     bert,
     ddp_rank,
+    in_order,
     llama,
     rel,
     run,
@@ -47,11 +49,20 @@ def rows() -> list[dict[str, Any]]:
     return text_rows(40)  # 40 rows, 4 per micro-batch, K=4: windows of 16, 16 and 8 rows
 
 
+# What the *stock* Trainer gets wrong (or right) is asserted on transformers 5 (CI: 5.23).
+# Older Trainers differ there (4.53.3: a float64 Llama's full batch is 2% off the reference, BERT's
+# masked-LM head takes no loss kwargs, a partial window is scaled differently); ExactTrainer's
+# own assertions run on every version.
+STOCK_AS_ON_CI = int(transformers.__version__.split(".")[0]) >= 5
+# transformers 4 rounds the logged loss to 4 decimals; 5 logs it unrounded.
+LOG_ROUNDING = 0.0 if STOCK_AS_ON_CI else 5e-5
+
+
 def _losses_close(got: list[float], ref: list[float]) -> None:
-    # The Trainer logs through a float32 accumulator.
+    # The Trainer logs through a float32 accumulator (transformers 4: rounded to 4 decimals).
     assert len(got) == len(ref)
     for g, r in zip(got, ref, strict=True):
-        assert abs(g - r) <= 1e-6 * abs(r), (got, ref)
+        assert abs(g - r) <= 1e-6 * abs(r) + LOG_ROUNDING, (got, ref)
 
 
 @pytest.mark.parametrize("average_tokens", [True, False])
@@ -78,7 +89,8 @@ def test_trainer_full_batch_is_the_reference(rows: list[Any]) -> None:
     ref = torch_reference(llama, windows_of(rows, 16), "causal_lm")
     stock = run(llama, rows, "causal_lm", k=1, batch=16)
     exact = run(llama, rows, "causal_lm", k=1, batch=16, exact="causal_lm")
-    assert max(step_errors(stock, ref, llama())) < 1e-6
+    if STOCK_AS_ON_CI:
+        assert max(step_errors(stock, ref, llama())) < 1e-6
     assert max(step_errors(exact, ref, llama())) < LLAMA_TOL
 
 
@@ -87,10 +99,11 @@ def test_head_that_drops_num_items_in_batch(rows: list[Any]) -> None:
     not divide by K; the head ignores it and returns a per-micro-batch mean."""
     make = lambda: bert("masked_lm")  # noqa: E731
     ref = torch_reference(make, windows_of(rows, 16), "masked_lm")
-    stock = run(make, rows, "masked_lm", k=4, batch=4)
-    assert stock["trainer"].model_accepts_loss_kwargs
-    stock_errors = step_errors(stock, ref, make())
-    assert min(stock_errors) > 1.0, stock_errors  # roughly K times the full-batch step
+    if STOCK_AS_ON_CI:
+        stock = run(make, rows, "masked_lm", k=4, batch=4)
+        assert stock["trainer"].model_accepts_loss_kwargs
+        stock_errors = step_errors(stock, ref, make())
+        assert min(stock_errors) > 1.0, stock_errors  # roughly K times the full-batch step
     full = run(make, rows, "masked_lm", k=1, batch=16)  # the stock full batch is right
     assert max(step_errors(full, ref, make())) < F64_TOL
     exact = run(make, rows, "masked_lm", k=4, batch=4, exact="masked_lm")
@@ -101,8 +114,9 @@ def test_head_that_drops_num_items_in_batch(rows: list[Any]) -> None:
 def test_sequence_classification(rows: list[Any]) -> None:
     make = lambda: bert("classification")  # noqa: E731
     ref = torch_reference(make, windows_of(rows, 16), "classification")
-    stock = run(make, rows, "classification", k=4, batch=4)
-    assert min(step_errors(stock, ref, make())) > 1.0
+    if STOCK_AS_ON_CI:
+        stock = run(make, rows, "classification", k=4, batch=4)
+        assert min(step_errors(stock, ref, make())) > 1.0
     exact = run(make, rows, "classification", k=4, batch=4, exact="classification")
     assert max(step_errors(exact, ref, make())) < F64_TOL
     _losses_close(exact["losses"], ref["losses"])
@@ -175,7 +189,8 @@ def _trainer(tmp_path: Any, model: Any, kind: str, k: int = 4, **kw: Any) -> Any
     args = training_args(str(tmp_path), k=k, batch=2)
     exact = kw.pop("exact", None)
     common = dict(model=model, args=args, data_collator=Collator(kind), **kw)
-    return Trainer(**common) if exact is None else fbhf.ExactTrainer(**common, loss=exact)
+    trainer = Trainer(**common) if exact is None else fbhf.ExactTrainer(**common, loss=exact)
+    return in_order(trainer)
 
 
 def test_check_trainer(tmp_path: Any, rows: list[Any]) -> None:
@@ -279,6 +294,8 @@ def test_ddp_two_ranks_equal_full_batch() -> None:
             if recipe == "exact":
                 assert max(errors) < LLAMA_TOL, (rank, average, errors)
                 _losses_close(run_["losses"], ref["losses"])
+            elif not STOCK_AS_ON_CI:
+                continue
             elif average:  # the stock Trainer, exact up to its float32 loss
                 assert max(errors) < 1e-6, (rank, errors)
             else:  # per-rank token counts, averaged by DDP: the step is off
@@ -305,7 +322,7 @@ def test_shift_labels_are_used_as_given(tmp_path: Any, rows: list[Any]) -> None:
         data_collator=Shifted("causal_lm"),
         loss="causal_lm",
     )
-    trainer.train()
+    in_order(trainer).train()
     got = {"steps": [{n: p.detach() for n, p in trainer.model.named_parameters()}]}
     assert max(step_errors(got, ref, llama())) < LLAMA_TOL
 
