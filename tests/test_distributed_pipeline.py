@@ -11,8 +11,15 @@ import torch
 
 import _dist_pipe as cases
 from _dist import run_ranks, values
+from fullbatch._base._versions import PIPELINE_TORCH, torch_version
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        torch_version() < PIPELINE_TORCH,
+        reason=f"fullbatch.Pipeline needs torch >= 2.7 (scale_grads), found {torch.__version__}",
+    ),
+]
 
 TOL = 1e-12  # measured: worst 1.3e-16 relative over every schedule and step
 KINDS = ["gpipe", "1f1b", "interleaved"]

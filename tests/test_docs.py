@@ -51,7 +51,7 @@ from typing import Any
 
 import pytest
 
-from fullbatch._base._versions import FSDP2_CPU_TORCH, torch_version
+from fullbatch._base._versions import FSDP2_CPU_TORCH, PIPELINE_TORCH, torch_version
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -224,6 +224,10 @@ def _run_in_page(block: Block) -> str:
         "from transformers import" in b.code for b in runnable[: index + 1]
     ):
         pytest.skip("needs transformers (pip install -e '.[hf]')")
+    if importlib.util.find_spec("trl") is None and any(
+        "from trl import" in b.code or "fullbatch.trl" in b.code for b in runnable[: index + 1]
+    ):
+        pytest.skip("needs TRL (pip install -e '.[trl]')")
     if (
         state.failed is not None
         and runnable.index(next(b for b in runnable if b.id == state.failed)) < index
@@ -297,6 +301,8 @@ def test_python_example_runs(block: Block, tmp_path: Path) -> None:
         pytest.skip("marked no-run: compiled, not executed")
     if "fully_shard" in block.code and torch_version() < FSDP2_CPU_TORCH:
         pytest.skip(f"FSDP2 on CPU needs torch >= 2.7 (pytorch#145935), found {torch_version()}")
+    if "fb.Pipeline(" in block.code and torch_version() < PIPELINE_TORCH:
+        pytest.skip(f"fullbatch.Pipeline needs torch >= 2.7 (scale_grads), found {torch_version()}")
     if block.mode == "torchrun":
         printed = _run_torchrun(block, tmp_path)
     else:

@@ -26,6 +26,7 @@ import torch
 
 from fullbatch._base._normalize import squared_norm
 from fullbatch._base._stats import StepStats
+from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._base._sync._pipeline import PipelineComm
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
@@ -86,6 +87,7 @@ class Pipeline:
         scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
 
     Raises:
+        RuntimeError: torch older than 2.7 (its schedules have no ``scale_grads``).
         ValueError: ``scale_grads=True`` or a loss that is not a :class:`PipelineLoss`
             (before anything runs), naming the fix.
 
@@ -109,7 +111,8 @@ class Pipeline:
         max_grad_norm: float | None = None,
         scheduler: Any = None,
     ) -> None:
-        if getattr(schedule, "scale_grads", False):
+        check_pipeline_schedule(schedule)
+        if schedule.scale_grads:
             raise ValueError(
                 f"{type(schedule).__name__} has scale_grads=True: it divides every .grad, "
                 "earlier schedule steps' too, by n_microbatches after each schedule.step. "
