@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fullbatch.hf as fbhf
-from _hf_cases import training_args
+from _hf_cases import in_order, training_args
 from fullbatch._demo._trl_tiny import tiny_causal_lm, tiny_seq2seq
 
 # float64 models; T5's layer norm computes its variance in float32 (its band: 3e-8 measured over
@@ -54,7 +54,7 @@ def test_seq2seq_every_step_equals_full_batch(kind: str) -> None:
             data_collator=_collate,
             loss="seq2seq",
         )
-        trainer.train()
+        in_order(trainer).train()  # older Trainers (4.53) always shuffle: see in_order
     ref = tiny_seq2seq(kind)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for w in range(0, len(rows), 4):

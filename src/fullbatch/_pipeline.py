@@ -26,8 +26,8 @@ import torch
 
 from fullbatch._base._normalize import squared_norm
 from fullbatch._base._stats import StepStats
-from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._base._sync._pipeline import PipelineComm
+from fullbatch._base._versions import check_pipeline_schedule
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 

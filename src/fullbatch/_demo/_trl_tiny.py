@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHAT_TEMPLATE", "char_tokenizer", "tiny_causal_lm", "tiny_seq2seq"]
+__all__ = ["CHAT_TEMPLATE", "char_tokenizer", "has_gemma4", "tiny_causal_lm", "tiny_seq2seq"]
 
 #: A chat template whose assistant turns are marked for TRL's ``assistant_only_loss``.
 CHAT_TEMPLATE = (
@@ -26,6 +26,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<' }}{% endif %}"
 )
+
+
+def _dtype_kwargs(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``from_config``'s dtype argument: ``dtype=`` from transformers 4.56, ``torch_dtype=``
+    before (4.53.3, the declared floor, rejects ``dtype=``)."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def has_gemma4() -> bool:
+    """Whether this transformers knows Gemma 4 (transformers 5; not 4.53.3)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return "gemma4" in CONFIG_MAPPING_NAMES
 
 
 def char_tokenizer() -> Any:
@@ -62,6 +78,13 @@ def tiny_causal_lm(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **common,
         )  # fmt: skip
     elif kind == "gemma4":
+        if not has_gemma4():
+            import transformers
+
+            raise ValueError(
+                f"kind='gemma4' needs a transformers with Gemma 4 (5.x), found "
+                f"{transformers.__version__}; use 'llama' or 'gpt2'."
+            )
         text = dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"],
@@ -79,7 +102,7 @@ def tiny_causal_lm(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float
         raise ValueError(f"kind={kind!r}: use 'llama', 'gemma4' or 'gpt2'.")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, **_dtype_kwargs(dtype))
     return model.train()
 
 
@@ -104,5 +127,5 @@ def tiny_seq2seq(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
         raise ValueError(f"kind={kind!r}: use 't5' or 'bart'.")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForSeq2SeqLM.from_config(config, dtype=dtype)
+        model = AutoModelForSeq2SeqLM.from_config(config, **_dtype_kwargs(dtype))
     return model.train()
