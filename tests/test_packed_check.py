@@ -18,6 +18,15 @@ from conftest import IGNORE
 
 transformers = pytest.importorskip("transformers")
 
+# transformers 4.53.3 (the floor): GPT-2 lets attention cross packed rows and BERT's forward
+# takes no packed-sequence keys, so the packing check refuses them (measured there: GPT-2 leak
+# 3.1e-02, gradient error 9.1e-02; BERT: TypeError on cu_seq_lens_q). Correct refusals, but
+# these cases test the packed forms of transformers 5.
+NEW_PACKING = int(transformers.__version__.split(".")[0]) >= 5
+new_packing = pytest.mark.skipif(
+    not NEW_PACKING, reason="GPT-2/BERT packing needs transformers 5 (refused on 4.53.3)"
+)
+
 VOCAB, WIDTH = 64, 24
 LENGTHS = [12, 5, 20, 3, 17, 9, 24, 7, 14, 2]
 TOKENS = 40
@@ -139,7 +148,9 @@ def worst(got: list, want: list) -> float:
     )
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "mistral", pytest.param("gpt2", marks=new_packing)]
+)
 def test_packed_steps_equal_the_full_batch(kind: str) -> None:
     """Two float64 steps. The plain reference differs from any fullbatch run by the model's
     float32 internals (RMSNorm upcasts to float32; fullbatch scales the loss by a power of two
@@ -157,7 +168,7 @@ def test_packed_steps_equal_the_full_batch(kind: str) -> None:
     assert report.passed and report.leak == 0.0 and report.grad_error <= report.tolerance
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=new_packing)])
 def test_verify_passes_the_documented_form(kind: str) -> None:
     model = tiny(kind)
     before = [p.detach().clone() for p in model.parameters()]
@@ -176,7 +187,7 @@ def test_verify_passes_the_documented_form(kind: str) -> None:
         ("gpt2", cache_left_on, "cache left on"),
         ("llama", with_2d_mask, "a 2-D attention_mask was passed"),
         ("mistral", with_block_mask, "4-D attention_mask .* drops the sliding window"),
-        ("bert", mlm_loss, "an encoder that ignores position_ids"),
+        pytest.param("bert", mlm_loss, "an encoder that ignores position_ids", marks=new_packing),
     ],
     ids=lambda v: getattr(v, "__name__", v),
 )
