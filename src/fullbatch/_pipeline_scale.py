@@ -17,7 +17,17 @@ __all__ = ["check_scaler", "finish_scaler", "window_scale"]
 
 
 def check_scaler(scaler: Any) -> Any:
-    """The scaler if it is an enabled ``torch.amp.GradScaler``-like object, else ``None``."""
+    """The scaler if it is an enabled ``torch.amp.GradScaler``-like object, else ``None``.
+
+    Example:
+        >>> import torch
+        >>> check_scaler(torch.amp.GradScaler("cpu")) is not None
+        True
+        >>> check_scaler(torch.amp.GradScaler("cpu", enabled=False)) is None
+        True
+        >>> window_scale(torch.amp.GradScaler("cpu", init_scale=8.0), torch.device("cpu"))
+        8.0
+    """
     if scaler is None:
         return None
     missing = [
