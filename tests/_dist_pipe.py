@@ -8,6 +8,7 @@ after every step, by global layer index; the parent assembles and compares.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -111,17 +112,28 @@ def _run(rank: int, kind: str, pp: Any, dp: Any, mode: str) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
                 out["params"].append({i: _flat(blocks[i]) for i in ids})
             return out
-        pipe = fb.Pipeline(schedule, opt, dp_group=dp, max_grad_norm=0.5)
-        for w in range(WINDOWS):
+        scaler = None
+        order = list(range(WINDOWS))
+        if mode == "scaler":  # window 0's data once more first, with an inf forced on rank 0
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+            order = [0, *order]
+            out["scale"] = []
+        pipe = fb.Pipeline(schedule, opt, dp_group=dp, max_grad_norm=0.5, scaler=scaler)
+        for n, w in enumerate(order):
             data = [batch(d, w, c) for c in range(CALLS[d])]
             window = pipe.window([y for _, y in data] if last else None)
+            inf = None
+            if scaler is not None and n == 0 and rank == 0:  # stage 0 of DP index 0 only
+                inf = blocks[0][0].weight.register_hook(lambda g: torch.full_like(g, math.inf))
             for x, y in data:
                 window.run(x if first else None, target=y if last else None)
+            if inf is not None:
+                inf.remove()
             out["held"] = sum(p.grad.numel() * 8 for p in params if p.grad is not None)
             before = [p.detach().clone() for p in params]
             grads = [None if p.grad is None else float(p.grad.norm()) for p in params]
             out["stats"].append(window.step())
-            if w == 0:  # diagnostics for a failure: did the step move this rank's parameters?
+            if n == 0:  # diagnostics for a failure: did the step move this rank's parameters?
                 moved = [not torch.equal(b, p) for b, p in zip(before, params, strict=True)]
                 mine = [q for i in ids for q in blocks[i].parameters()]
                 same = all(a is b for a, b in zip(mine, params, strict=True))
@@ -129,6 +141,12 @@ def _run(rank: int, kind: str, pp: Any, dp: Any, mode: str) -> dict[str, Any]:
             out["counts"].append(dict(calls))
             calls.clear()
             out["params"].append({i: _flat(blocks[i]) for i in ids})
+            if scaler is not None:
+                out["scale"].append(scaler.get_scale())
+        if scaler is not None:  # the skipped window: parameters as built; compare the rest
+            out["skipped_params"] = out["params"].pop(0)
+            out["skipped_stats"] = out["stats"].pop(0)
+            out["counts"].pop(0)
     finally:
         dist.all_reduce = real
     return out
@@ -157,6 +175,13 @@ def _refusals() -> dict[str, str]:
             fb.Pipeline(schedule, opt)
         except ValueError as exc:
             errors[name] = str(exc)
+    stage = pl.PipelineStage(block, 0, 1, torch.device("cpu"), group=group)
+    loss = fb.PipelineLoss(fb.cross_entropy_sum)
+    schedule = pl.ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss, scale_grads=False)
+    try:
+        fb.Pipeline(schedule, opt, scaler=object())  # not a GradScaler
+    except TypeError as exc:
+        errors["scaler"] = str(exc)
     assert torch.equal(before, _flat(block)) and all(p.grad is None for p in block.parameters())
     return errors
 
@@ -168,6 +193,7 @@ def pipe_cases(rank: int, world: int) -> dict[str, Any]:
     for kind in ("gpipe", "1f1b", "interleaved"):
         results[kind] = _run(rank, kind, pp, dp, "fullbatch")
     results["naive-1f1b"] = _run(rank, "1f1b", pp, dp, "naive")
+    results["scaler-1f1b"] = _run(rank, "1f1b", pp, dp, "scaler")
     results["refusals"] = _refusals()
     return results
 

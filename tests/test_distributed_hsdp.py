@@ -11,6 +11,7 @@ import torch
 
 import _dist_scale as cases
 from _dist import run_ranks, values
+from _dist_hsdp_resume import RESUME_CASES
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fsdp2]  # every case runs under FSDP2
 
@@ -96,6 +97,26 @@ def test_hsdp_state_mid_window_refused_where_fsdp2_holds_gradients(results: list
         assert "fsdp_sync='window'" in res["window"]["state_error"]
         assert "state_error" not in res["micro_batch"]  # the sharded .grad is in the state
         assert res["hybrid"]["state_at_boundary"]  # between windows a state is fine
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_hsdp_resume_equals_uninterrupted_on_every_rank(results: list[dict], name: str) -> None:
+    """States saved at a window boundary ("hybrid", "window") or mid-window ("micro_batch"),
+    loaded into fresh objects built from another initialization: bitwise the uninterrupted run
+    on every rank, which is the float64 full batch."""
+    want = cases.hsdp_reference()["params"][-1]
+    stop = RESUME_CASES[name][1]
+    for rank, res in enumerate(results):
+        case = res["resume"][name]
+        assert torch.equal(case["resumed"], case["uninterrupted"]), (name, rank)
+        assert torch.equal(case["resumed"], results[0]["resume"][name]["resumed"]), (name, rank)
+        assert _rel(case["resumed"], want) < TOL, (name, rank)
+        # The loader position: after window 1 (rank 3 holds 3 real items there), or mid-window
+        # the window's start (its micro-batches are replayed from there, as on 1-D meshes).
+        real = min(len(cases.HSDP_LAYOUT[rank]) - cases.K, cases.K)
+        assert case["loader_items"] == cases.K + (real if stop[1] is None else 0)
+        if stop[1] is not None:  # the sharded gradients travelled in the state
+            assert case["done"] == stop[1] and case["grads"], case
 
 
 def test_hsdp_refusals(results: list[dict]) -> None:

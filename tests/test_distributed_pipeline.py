@@ -82,6 +82,33 @@ def test_pipeline_collectives_counted_per_window(results: list[dict], kind: str)
             assert window == {"ar:world": 2, "ar:dp": 1}, window
 
 
+def test_grad_scaler_equals_the_unscaled_full_batch_and_skips_on_every_stage(
+    results: list[dict],
+) -> None:
+    """1F1B with a GradScaler (CPU, float64, growth every step): an inf forced into stage 0 on
+    one DP rank skips that window on every stage and rank (stage 1's own gradients were
+    finite), every scaler backs off alike; the windows after it equal the unscaled float64
+    full batch (power-of-two scales: exact)."""
+    ref = cases.pipe_reference()
+    initial = cases.make_blocks()
+    for rank, res in enumerate(results):
+        case = res["scaler-1f1b"]
+        skipped = case["skipped_stats"]
+        assert skipped.skipped and skipped.reason == "non-finite gradient", (rank, skipped)
+        for i, flat in case["skipped_params"].items():  # nothing moved anywhere
+            assert torch.equal(flat, torch.cat([p.reshape(-1) for p in initial[i].parameters()]))
+        # 2**10, backed off to 2**9 on the skip, then grown once per stepped window.
+        assert case["scale"] == [2.0**9, 2.0**10, 2.0**11], (rank, case["scale"])
+        assert [s.skipped for s in case["stats"]] == [False] * cases.WINDOWS
+        for s, norm, loss in zip(case["stats"], ref["norms"], ref["losses"], strict=True):
+            assert abs(s.grad_norm - norm) / norm < TOL  # unscaled before the norm and clip
+            assert abs(s.loss - loss) / loss < TOL, (s.loss, loss)  # the unscaled loss
+    for step in range(cases.WINDOWS):
+        got = _assembled(results, "scaler-1f1b", step)
+        assert _rel(got, torch.cat(ref["params"][step])) < TOL, step
+        assert torch.equal(got, _assembled(results, "1f1b", step))  # bitwise: unscaled run
+
+
 def test_torch_default_mean_loss_with_scale_grads_is_not_the_full_batch(
     results: list[dict],
 ) -> None:
@@ -95,3 +122,5 @@ def test_pipeline_refusals_name_the_fix(results: list[dict]) -> None:
         errors = res["refusals"]
         assert "scale_grads=False" in errors["scale_grads"]
         assert "PipelineLoss" in errors["mean_loss"] and "mean of means" in errors["mean_loss"]
+        assert "has no get_scale, unscale_, step, update" in errors["scaler"]
+        assert "torch.amp.GradScaler" in errors["scaler"]  # the fix

@@ -28,6 +28,7 @@ from fullbatch._base._normalize import squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
 from fullbatch._base._versions import check_pipeline_schedule
+from fullbatch._pipeline_scale import check_scaler, finish_scaler, window_scale
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 
@@ -50,6 +51,7 @@ class PipelineLoss:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.normalizer: float | None = None
+        self.scale = 1.0  # a GradScaler's scale, set by PipelineWindow.run
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
         if self.normalizer is None:
@@ -60,7 +62,8 @@ class PipelineLoss:
             )
         out = self.fn(output, target, **kwargs)
         loss_sum = out[0] if isinstance(out, tuple) else out
-        return loss_sum / self.normalizer
+        loss = loss_sum / self.normalizer
+        return loss if self.scale == 1.0 else loss * self.scale
 
 
 def _labels(target: torch.Tensor) -> torch.Tensor:
@@ -85,6 +88,10 @@ class Pipeline:
         group: every rank of the job (all stages, all data-parallel ranks); default: world.
         max_grad_norm: clip the total norm over all stages.
         scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
+        scaler: a ``torch.amp.GradScaler`` (the same settings on every rank): its scale
+            multiplies each pipeline micro-batch's loss; ``step()`` unscales after the DP sum,
+            before the norm and the clip, skips on every stage and rank if any gradient is
+            non-finite, and updates the scaler once per window, identically everywhere.
 
     Raises:
         RuntimeError: torch older than 2.7 (its schedules have no ``scale_grads``).
@@ -110,6 +117,7 @@ class Pipeline:
         group: Any = None,
         max_grad_norm: float | None = None,
         scheduler: Any = None,
+        scaler: Any = None,
     ) -> None:
         check_pipeline_schedule(schedule)
         if schedule.scale_grads:
@@ -137,6 +145,7 @@ class Pipeline:
         self._last = any(getattr(s, "is_last", False) for s in _stages(schedule))
         self._max_grad_norm = max_grad_norm
         self._scheduler = scheduler
+        self.scaler = check_scaler(scaler)
         self.steps = 0
         self.skipped_windows = 0
 
@@ -157,15 +166,20 @@ class Pipeline:
         if self._last and targets is not None:
             local = float(sum(float(self._count(t)) for t in targets))
         (count,) = self._comm.sum([local])
-        return PipelineWindow(self, count)
+        scale = 1.0
+        if self.scaler is not None:
+            params = self._params()
+            scale = window_scale(self.scaler, params[0].device if params else torch.device("cpu"))
+        return PipelineWindow(self, count, scale)
 
 
 class PipelineWindow:
     """One optimizer step: ``run`` one or several schedule steps, then ``step()``."""
 
-    def __init__(self, pipeline: Pipeline, count: float) -> None:
+    def __init__(self, pipeline: Pipeline, count: float, scale: float = 1.0) -> None:
         self._pipe = pipeline
         self.count = count
+        self.scale = scale  # the GradScaler's scale for the whole window (1: none)
         self.micro_batches = 0
         # The schedule's losses of real micro-batches (already divided by N). Not summed in
         # the loss function: torch's metadata inference calls it once more on a first step.
@@ -176,20 +190,24 @@ class PipelineWindow:
     ) -> Any:
         """``schedule.step(*args, target=target, losses=losses, **kwargs)``, the loss
         normalized by the window's count; ``losses`` (last stage) receives each pipeline
-        micro-batch's ``loss_sum / N``."""
+        micro-batch's ``loss_sum / N`` (unscaled, with a GradScaler too)."""
         pipe = self._pipe
         losses = [] if losses is None else losses
         pipe.loss.normalizer = self.count if self.count > 0 else 1.0  # N = 0: skipped anyway
+        pipe.loss.scale = self.scale
         try:
             out = pipe.schedule.step(*args, target=target, losses=losses, **kwargs)
         finally:
-            pipe.loss.normalizer = None
+            pipe.loss.normalizer, pipe.loss.scale = None, 1.0
+        if self.scale != 1.0:  # a power of two: dividing back is exact
+            losses[:] = [t / self.scale for t in losses]
         self._losses.extend(t.detach() for t in losses)
         self.micro_batches += int(getattr(pipe.schedule, "_n_microbatches", 1))
         return out
 
     def step(self) -> StepStats:
-        """Sum gradients over DP ranks, agree on the norm, clip, step, clear. Collective."""
+        """Sum gradients over DP ranks, unscale (a GradScaler), agree on the norm, clip, step,
+        update the scaler, clear. Collective."""
         pipe = self._pipe
         params = pipe._params()
         for p in params:
@@ -197,6 +215,8 @@ class PipelineWindow:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         pipe._comm.sum_grads(grads)
+        if pipe.scaler is not None:
+            pipe.scaler.unscale_(pipe.optimizer)  # after the DP sum: an inf reaches every rank
         # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
         sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
         mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
@@ -214,12 +234,17 @@ class PipelineWindow:
                 clip = min(1.0, pipe._max_grad_norm / (norm + 1e-6))
                 for g in grads:
                     g.mul_(clip)
-            pipe.optimizer.step()
+            if pipe.scaler is not None:
+                pipe.scaler.step(pipe.optimizer)  # every gradient here is finite: it steps
+            else:
+                pipe.optimizer.step()
             pipe.steps += 1
             if pipe._scheduler is not None:
                 pipe._scheduler.step()
         else:
             pipe.skipped_windows += 1
+        if pipe.scaler is not None:  # the job-wide verdict, not this stage's own
+            finish_scaler(pipe.scaler, self.scale, not math.isfinite(sq))
         pipe.optimizer.zero_grad(set_to_none=True)
         groups = pipe.optimizer.param_groups
         return StepStats(
