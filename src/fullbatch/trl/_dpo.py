@@ -22,6 +22,7 @@ from trl import DPOTrainer
 
 from fullbatch.hf import ExactTrainer
 from fullbatch.trl._refuse import bind, common, moe_aux, refuse
+from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactDPOTrainer"]
 
@@ -112,12 +113,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         self._fb_sums = {}
         return batches, None
 
-    def training_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
-        """ExactTrainer's micro-batch, inside TRL's activation-offloading context."""
-        with self.maybe_activation_offload_context:
-            return super().training_step(model, inputs, num_items_in_batch)
+    training_step = offloaded_training_step
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """TRL's loss on this micro-batch, weighted to its share of the window's loss; returned

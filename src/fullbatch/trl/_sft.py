@@ -20,6 +20,7 @@ from trl import SFTTrainer
 
 from fullbatch.hf import ExactTrainer
 from fullbatch.trl._refuse import bind, common, moe_aux
+from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactSFTTrainer"]
 
@@ -73,12 +74,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
             moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
         self._fb_stats: list[torch.Tensor] = []
 
-    def training_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
-        """ExactTrainer's micro-batch, inside TRL's activation-offloading context."""
-        with self.maybe_activation_offload_context:
-            return super().training_step(model, inputs, num_items_in_batch)
+    training_step = offloaded_training_step
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """TRL's per-token loss summed over the micro-batch's targets, and their count."""
