@@ -10,5 +10,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+echo "fullbatch: [1/2] torch==2.13.0 into $VENV (seconds when the CPU wheel is on disk)" >&2
 "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+echo "fullbatch: [2/2] fullbatch[$1] and the pinned frameworks of scripts/constraints.txt" \
+  "(about 3 minutes the first time, seconds after)" >&2
 "$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[$1]"
+echo "fullbatch: environment ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))" >&2

@@ -11,6 +11,7 @@ import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = item.nodeid.lower()
         if "fsdp" in name or "hsdp" in name or item.get_closest_marker("fsdp2"):
             item.add_marker(skip)
+
+
+def from_fullbatch(filename: str) -> bool:
+    """Whether ``filename`` is a module of the installed fullbatch package.
+
+    By the package's real location, never a path substring: a clone is often in a folder
+    named ``fullbatch``, and then the path of every file in its ``.venv`` contains that word.
+    """
+    package = Path(fb.__file__).resolve().parent
+    return Path(filename).resolve().is_relative_to(package)
 
 
 def pytest_configure(config: pytest.Config) -> None:
