@@ -10,7 +10,7 @@ It runs, each in its own process with this interpreter: ``fullbatch demo`` (100 
 ranks. It prints what each prints, then the README's marked sections as Markdown. With
 ``--write`` it replaces the text between ``<!-- readme_numbers: NAME -->`` and
 ``<!-- /readme_numbers -->`` in README.md and stores the measured values in
-``benchmarks/readme_numbers.json`` (``tests/test_readme_numbers.py`` checks that the README
+``benchmarks/readme_numbers.json`` (``tests/docs/test_readme_numbers.py`` checks that the README
 says what that file holds).
 
 The demo's numbers are deterministic: the same Python (its standard library is the demo's

@@ -8,7 +8,7 @@
 # in 129 s. Skipped below their real minimums: FSDP2 on CPU and fb.Pipeline (torch >= 2.7),
 # Gemma 4 and GPT-2/BERT packing (transformers 5), fullbatch.trl and the TRL doc examples
 # (TRL is not installed here: its extra needs transformers 5).
-# tests/test_hf_trainer.py alone: 24 passed.
+# tests/integrations/test_hf_trainer.py alone: 24 passed.
 # FSDP2 on CPU needs torch >= 2.7 (pytorch#145935): at torch 2.6 those tests skip, and
 # fully_shard'ed CPU models raise with that message (FSDP2 on CUDA: not tested here).
 #
@@ -16,7 +16,7 @@
 # nvidia-* wheels). Extra arguments go to pytest:
 #
 #   bash scripts/test_minimums.sh                 # the whole suite at the floors
-#   bash scripts/test_minimums.sh -x tests/test_hf_trainer.py
+#   bash scripts/test_minimums.sh -x tests/integrations/test_hf_trainer.py
 #   FULLBATCH_TORCH=2.7.0 bash scripts/test_minimums.sh -k fsdp   # not the tested default
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,7 +1,7 @@
 """A two-tower InfoNCE model, its data, and plain-PyTorch full-batch references.
 
-Shared by ``test_coupled.py`` and the multi-process rank function below (run on gloo ranks
-by ``_dist.run_ranks``). Everything is float64.
+Shared by ``tests/engine/test_coupled.py`` and the multi-process rank function below (run
+on gloo ranks by ``_dist.run_ranks``). Everything is float64.
 """
 
 from __future__ import annotations

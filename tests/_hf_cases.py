@@ -278,3 +278,21 @@ def torch_reference(
 
 def windows_of(rows: list[Row], size: int) -> list[list[Row]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def small_rows(n: int) -> list[dict[str, Any]]:
+    """``n`` rows of varying length with ids the vocab-100 tiny models take (padded by the
+    ``Collator`` with its pad id, mapped to 0 here)."""
+    return [
+        {"input_ids": [4 + (b % 95) for b in r["input_ids"]][: 6 + (i * 5) % 17], "idx": i}
+        for i, r in enumerate(text_rows(n))
+    ]
+
+
+class SmallCollator(Collator):
+    """``Collator`` with padded ids mapped to 0 (the vocab-100 tiny models' pad id)."""
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(rows)
+        batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
+        return batch

@@ -113,7 +113,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             or DataParallel over several GPUs.
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
-    Example (see tests/test_trl_grpo.py for a whole run on a tiny model)::
+    Example (see tests/integrations/test_trl_grpo.py for a whole run on a tiny model)::
 
         from fullbatch.trl import ExactGRPOTrainer   # instead of: from trl import GRPOTrainer
         trainer = ExactGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),

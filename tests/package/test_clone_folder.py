@@ -13,7 +13,7 @@ from pathlib import Path
 import fullbatch as fb
 from conftest import from_fullbatch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 # "fullbatch" (or ".../fullbatch/...") tested for membership in something that is a path.
 SUBSTRING = re.compile(
     r"""["'][^"'\n]*fullbatch[^"'\n]*["']\s+(not\s+)?in\s+[^\n]*(filename|__file__|path|co_)"""

@@ -291,7 +291,7 @@ def test_console_entry_exit_code_and_stderr(tmp_path: Path) -> None:
     # the real process: exit status 2 and a single stderr line, no traceback
     command = [sys.executable, "-m", "fullbatch", "verify", "--model", "m:f"]
     command += ["--data", "missing.txt", "--micro-batch-size", "2"]
-    src = str(Path(__file__).parents[1] / "src")
+    src = str(Path(__file__).parents[2] / "src")
     result = subprocess.run(
         command,
         capture_output=True,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fullbatch as fb
+from _auto_cases import TokenLM
 from conftest import class_batch, params
 
 
@@ -154,22 +155,6 @@ def test_other_errors_propagate_without_retry() -> None:
 
 
 # -- micro_batch_tokens="auto": the same machinery, with a token budget that halves ----------
-
-
-class TokenLM(nn.Module):
-    """A causal toy LM that runs out of memory above ``tokens`` padded tokens per forward."""
-
-    def __init__(self, tokens: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(17, 8)
-        self.out = nn.Linear(8, 17)
-        self.tokens = tokens
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() > self.tokens:
-            raise torch.OutOfMemoryError(f"{ids.numel()} tokens do not fit ({self.tokens})")
-        return self.out(torch.tanh(self.embed(ids)))
 
 
 def test_micro_batch_tokens_auto_equals_the_found_budget_and_the_full_batch() -> None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import fullbatch as fb
 from test_auto import Fits
 from test_resume import LOADERS, assert_bitwise, build, train, uninterrupted
+
+import fullbatch as fb
 
 
 def snapshot(objs: tuple[Any, ...]) -> tuple[Any, ...]:

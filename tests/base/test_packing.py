@@ -1,6 +1,7 @@
 """Padding-free packing (``micro_batch_tokens=T, pack=True``): the packed format, float64 steps
 equal to the plain full batch on transformers Llama, Qwen2, Mistral (sliding window shorter
-than a row) and GPT-2, and refusals; the packing check is in ``test_packed_check.py``."""
+than a row) and GPT-2, and refusals; the packing check is in
+``tests/integrations/test_hf_packing.py``."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_one_step_equals_full_batch(tokens: int) -> None:
 
 
 def test_auto_budget_equals_the_found_budget_and_the_full_batch() -> None:
-    from test_auto import TokenLM
+    from _auto_cases import TokenLM
 
     data = [window(seed=s) for s in range(2)]
     found: list[int | None] = []

@@ -150,8 +150,9 @@ def test_stream_windows_each_normalized_by_own_count(n_micro, k, drop, data) -> 
 def test_two_terms_shares_any_partition(data, weight) -> None:
     """Up-front form: token CE over window.totals["tokens"] plus a per-row term over
     window.totals["rows"], two backward calls per micro-batch, any uneven partition."""
-    import fullbatch as fb
     from test_exactness import aux_row_sum, two_term_objective
+
+    import fullbatch as fb
 
     batch = data.draw(lm_windows())
     rows = batch["input_ids"].shape[0]

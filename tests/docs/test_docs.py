@@ -53,7 +53,7 @@ import pytest
 
 from fullbatch._base._versions import FSDP2_CPU_TORCH, PIPELINE_TORCH, torch_version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 DOC_PAGES = sorted(DOCS.glob("*.md"))
 PAGES = [*DOC_PAGES, ROOT / "README.md"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_SRC = str(Path(__file__).parents[1] / "src")
+_SRC = str(Path(__file__).parents[2] / "src")
 
 _PROBE = """
 import sys

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fullbatch.hf as fbhf
-from _hf_cases import Collator, text_rows, training_args
+from _hf_cases import SmallCollator, small_rows, training_args
 from fullbatch._demo._trl_tiny import has_gemma4, tiny_causal_lm
 
 needs_gemma4 = pytest.mark.skipif(
@@ -26,27 +26,11 @@ needs_gemma4 = pytest.mark.skipif(
 _REGISTRY: dict[str, Any] = {}  # a global: what no copy of a closure can reach
 
 
-def small_rows(n: int) -> list[dict[str, Any]]:
-    """``n`` rows of varying length with ids the vocab-100 tiny models take (padded by the
-    ``Collator`` with its pad id, mapped to 0 here)."""
-    return [
-        {"input_ids": [4 + (b % 95) for b in r["input_ids"]][: 6 + (i * 5) % 17], "idx": i}
-        for i, r in enumerate(text_rows(n))
-    ]
-
-
-class _SmallCollator(Collator):
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = super().__call__(rows)
-        batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 0)
-        return batch
-
-
 def _trainer(model: Any, tmp: str, *, exact: bool, cls: Any = None, **kw: Any) -> Any:
     from transformers import Trainer
 
     args = training_args(tmp, k=4, batch=2)
-    common = dict(model=model, args=args, data_collator=_SmallCollator("causal_lm"), **kw)
+    common = dict(model=model, args=args, data_collator=SmallCollator("causal_lm"), **kw)
     if exact:
         return fbhf.ExactTrainer(**common, loss="causal_lm")
     return (cls or Trainer)(**common)
@@ -185,7 +169,7 @@ def test_subclass_with_compute_loss_is_told_the_mixin(tmp_path: Any) -> None:
     trainer = Weighted(
         model=tiny_causal_lm("gemma4"),
         args=training_args(str(tmp_path), k=4, batch=2),
-        data_collator=_SmallCollator("causal_lm"),
+        data_collator=SmallCollator("causal_lm"),
     )
     check = fbhf.check_trainer(trainer, small_rows(8))
     assert not check.passed

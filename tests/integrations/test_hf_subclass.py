@@ -18,9 +18,8 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 import fullbatch.hf as fbhf
-from _hf_cases import training_args
+from _hf_cases import SmallCollator, small_rows, training_args
 from fullbatch._demo._trl_tiny import has_gemma4, tiny_causal_lm
-from test_hf_check import _SmallCollator, small_rows
 
 needs_gemma4 = pytest.mark.skipif(
     not has_gemma4(), reason="Gemma 4 is not in this transformers (it is in 5.x)"
@@ -67,7 +66,7 @@ def _step(cls: type, rows: list[Any], **kw: Any) -> dict[str, torch.Tensor]:
             model=model,
             args=training_args(tmp, k=4, batch=2),
             train_dataset=rows,
-            data_collator=_SmallCollator("causal_lm"),
+            data_collator=SmallCollator("causal_lm"),
             **kw,
         )
         trainer.train()
@@ -80,7 +79,7 @@ def test_subclass_step_equals_full_batch_and_the_plain_subclass_does_not() -> No
     rows = small_rows(8)  # one window: 4 micro-batches of 2 rows, varying lengths
     model = tiny_causal_lm("gemma4")
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = _SmallCollator("causal_lm")(rows)
+    batch = SmallCollator("causal_lm")(rows)
     labels = batch.pop("labels")
     total, count = _penalized_terms(model(**batch).logits, labels)
     (total / count).backward()
@@ -115,7 +114,7 @@ def test_check_trainer_passes_the_exact_subclass() -> None:
         trainer = exact_penalized(
             model=tiny_causal_lm("gemma4"),
             args=training_args(tmp, k=4, batch=2),
-            data_collator=_SmallCollator("causal_lm"),
+            data_collator=SmallCollator("causal_lm"),
         )
         check = fbhf.check_trainer(trainer, small_rows(8))
     assert check.passed, str(check)
