@@ -176,9 +176,12 @@ def decide(totals: WindowTotals) -> Verdict:
     return Verdict(reason, factor, clip, grad_norm, loss, next_c)
 
 
-@dataclass(slots=True)
+@dataclass
 class WindowCounters:
     """A wing's counts of ended windows, and the one warning policy for skips.
+
+    A plain dataclass (not slotted): ``fullbatch.hf.check_trainer`` copies and restores the
+    dataclasses a Trainer holds, so a check leaves the counts as they were.
 
     ``steps`` counts optimizer steps taken; ``skipped_windows`` the windows skipped. A skip
     warns (``RuntimeWarning``, at the user's line) at the 1st, 2nd, 4th, 8th, ... skip, so a
