@@ -7,26 +7,29 @@ is then a mean of means. fullbatch instead:
 
 - counts the window's items from the targets **before** any loss (on the last stage, summed
   over every rank of the job, so over the data-parallel ranks),
-- hands the schedule a summed loss (:class:`PipelineLoss`) divided by that count once, so
-  every stage's gradient is already the window's full-batch gradient share,
+- hands the schedule a summed loss (:class:`PipelineLoss`) multiplied by ``c``, the largest
+  power of two ``<= 1 / N`` of that count (exact in every format, the same on every rank),
 - refuses ``scale_grads=True`` and a loss that is not a :class:`PipelineLoss`,
 - sums gradients over the data-parallel ranks once per window (no DDP/FSDP wrapper needed on
-  the stages), agrees on the norm over all stages, clips, steps and clears.
+  the stages), agrees on the norm over all stages, and ends the window through fullbatch's one
+  verdict (``fullbatch._base._verdict``): a window with no counted items, a non-finite loss or a
+  non-finite gradient is skipped on every stage and rank (with a warning), otherwise the
+  gradients are multiplied once by ``1 / (c · N)`` and the clip, stepped and cleared.
 
 A window is one optimizer step: one or several ``schedule.step`` calls (``window.run``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from fullbatch._base._normalize import squared_norm
+from fullbatch._base._normalize import power_of_two_scale, scale_grads, squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
+from fullbatch._base._verdict import WindowCounters, WindowTotals, decide
 from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._pipeline_scale import check_scaler, finish_scaler, window_scale
 
@@ -34,7 +37,7 @@ __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 
 
 class PipelineLoss:
-    """The schedule's ``loss_fn``: ``fn(output, target)`` summed, divided by the window's count.
+    """The schedule's ``loss_fn``: ``fn(output, target)`` summed, times the window's ``c``.
 
     ``fn`` returns a summed loss, or ``(loss_sum, count)`` like :func:`cross_entropy_sum`
     (the count is ignored: the window's count is known before the loss). Outside
@@ -43,18 +46,18 @@ class PipelineLoss:
     Example:
         >>> import torch, fullbatch as fb
         >>> loss = fb.PipelineLoss(fb.cross_entropy_sum)
-        >>> loss.normalizer = 4.0  # what PipelineWindow.run sets
+        >>> loss.loss_scale = 0.25  # c, set by PipelineWindow.run (here N = 4)
         >>> round(float(loss(torch.zeros(2, 3), torch.tensor([0, -100]))), 4)
         0.2747
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.normalizer: float | None = None
+        self.loss_scale: float | None = None  # c, set by PipelineWindow.run
         self.scale = 1.0  # a GradScaler's scale, set by PipelineWindow.run
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
-        if self.normalizer is None:
+        if self.loss_scale is None:
             raise RuntimeError(
                 "a fullbatch.PipelineLoss ran outside a window: call schedule.step through "
                 "window = pipeline.window(targets); window.run(...), which sets the "
@@ -62,8 +65,7 @@ class PipelineLoss:
             )
         out = self.fn(output, target, **kwargs)
         loss_sum = out[0] if isinstance(out, tuple) else out
-        loss = loss_sum / self.normalizer
-        return loss if self.scale == 1.0 else loss * self.scale
+        return loss_sum * (self.loss_scale * self.scale)  # powers of two: exact
 
 
 def _labels(target: torch.Tensor) -> torch.Tensor:
@@ -146,8 +148,17 @@ class Pipeline:
         self._max_grad_norm = max_grad_norm
         self._scheduler = scheduler
         self.scaler = check_scaler(scaler)
-        self.steps = 0
-        self.skipped_windows = 0
+        self.counters = WindowCounters()  # optimizer steps taken, windows skipped
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped windows are not steps)."""
+        return self.counters.steps
+
+    @property
+    def skipped_windows(self) -> int:
+        """Windows skipped: no counted items, a non-finite loss or gradient."""
+        return self.counters.skipped_windows
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -179,29 +190,29 @@ class PipelineWindow:
     def __init__(self, pipeline: Pipeline, count: float, scale: float = 1.0) -> None:
         self._pipe = pipeline
         self.count = count
+        self.loss_scale = power_of_two_scale(count)  # c <= 1 / N: N is known before any loss
         self.scale = scale  # the GradScaler's scale for the whole window (1: none)
         self.micro_batches = 0
-        # The schedule's losses of real micro-batches (already divided by N). Not summed in
-        # the loss function: torch's metadata inference calls it once more on a first step.
+        # The summed losses of real micro-batches. Not summed in the loss function: torch's
+        # metadata inference calls it once more on a first step.
         self._losses: list[torch.Tensor] = []
 
     def run(
         self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
     ) -> Any:
         """``schedule.step(*args, target=target, losses=losses, **kwargs)``, the loss
-        normalized by the window's count; ``losses`` (last stage) receives each pipeline
+        multiplied by the window's ``c``; ``losses`` (last stage) receives each pipeline
         micro-batch's ``loss_sum / N`` (unscaled, with a GradScaler too)."""
         pipe = self._pipe
         losses = [] if losses is None else losses
-        pipe.loss.normalizer = self.count if self.count > 0 else 1.0  # N = 0: skipped anyway
-        pipe.loss.scale = self.scale
+        pipe.loss.loss_scale, pipe.loss.scale = self.loss_scale, self.scale
         try:
             out = pipe.schedule.step(*args, target=target, losses=losses, **kwargs)
         finally:
-            pipe.loss.normalizer, pipe.loss.scale = None, 1.0
-        if self.scale != 1.0:  # a power of two: dividing back is exact
-            losses[:] = [t / self.scale for t in losses]
-        self._losses.extend(t.detach() for t in losses)
+            pipe.loss.loss_scale, pipe.loss.scale = None, 1.0
+        sums = [t.detach() / (self.loss_scale * self.scale) for t in losses]  # exact: 2^k
+        self._losses.extend(sums)
+        losses[:] = [t / self.count for t in sums] if self.count > 0 else sums
         self.micro_batches += int(getattr(pipe.schedule, "_n_microbatches", 1))
         return out
 
@@ -220,44 +231,46 @@ class PipelineWindow:
         # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
         sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
         mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
-        loss, sq = pipe._comm.sum([mine, sq])  # the window's loss: Σ loss_sum / N
-        norm = math.sqrt(sq) if math.isfinite(sq) else math.nan
-        reason = None
-        if self.count == 0:
-            reason, norm = "no items counted in the window", math.nan
-        elif not math.isfinite(loss):
-            reason = "non-finite loss"
-        elif not math.isfinite(sq):
-            reason = "non-finite gradient"
-        if reason is None:
-            if pipe._max_grad_norm is not None:
-                clip = min(1.0, pipe._max_grad_norm / (norm + 1e-6))
-                for g in grads:
-                    g.mul_(clip)
+        loss, sq = pipe._comm.sum([mine, sq])  # the window's Σ loss_sum, the squared norm
+        totals = WindowTotals(
+            loss=loss,
+            count=self.count,
+            squared_norm=sq,
+            loss_scale=self.loss_scale,
+            max_grad_norm=pipe._max_grad_norm,
+        )
+        verdict = decide(totals)
+        if not verdict.skipped:
+            scale_grads(grads, verdict.factor * verdict.clip)
             if pipe.scaler is not None:
                 pipe.scaler.step(pipe.optimizer)  # every gradient here is finite: it steps
             else:
                 pipe.optimizer.step()
-            pipe.steps += 1
+            pipe.counters.stepped()
             if pipe._scheduler is not None:
                 pipe._scheduler.step()
         else:
-            pipe.skipped_windows += 1
+            pipe.counters.skipped(
+                pipe.counters.windows,
+                str(verdict.reason),
+                report="pipe.skipped_windows and stats.skipped_windows",
+                scaler=pipe.scaler is not None,
+            )
         if pipe.scaler is not None:  # the job-wide verdict, not this stage's own
-            finish_scaler(pipe.scaler, self.scale, not math.isfinite(sq))
+            finish_scaler(pipe.scaler, self.scale, not totals.grad_finite)
         pipe.optimizer.zero_grad(set_to_none=True)
         groups = pipe.optimizer.param_groups
         return StepStats(
-            loss=loss if self.count else math.nan,
+            loss=verdict.loss,
             count=self.count,
-            grad_norm=norm,
-            skipped=reason is not None,
-            reason=reason,
-            steps=pipe.steps,
-            loss_scale=1.0 / self.count if self.count else 1.0,
+            grad_norm=verdict.grad_norm,
+            skipped=verdict.skipped,
+            reason=verdict.reason,
+            steps=pipe.counters.steps,
+            loss_scale=self.loss_scale,
             lr=float(groups[0]["lr"]) if groups and "lr" in groups[0] else None,
             micro_batches=self.micro_batches,
-            skipped_windows=pipe.skipped_windows,
+            skipped_windows=pipe.counters.skipped_windows,
         )
 
 

@@ -9,12 +9,17 @@ loss instead:
 
 - it computes the loss *sum* and the item count of every micro-batch from the logits and the
   labels (the head's own loss is not computed: ``labels`` are withheld from the model);
-- it backpropagates ``c · loss_sum``, with ``c`` one number identical on every rank (``1 / N``
-  of the previous window), and after the window's last backward (gradients already summed over
-  micro-batches and averaged over DDP ranks) multiplies the gradients by ``W / (c · N)``, where
-  ``N`` is the window's item count over all micro-batches and all ranks (one small all-reduce)
-  and ``W`` the number of DDP ranks. Clipping, ``on_pre_optimizer_step`` callbacks and the
-  optimizer therefore see the full-batch gradient;
+- it backpropagates ``c · loss_sum``, with ``c`` one number identical on every rank (a power
+  of two ``<= 1 / N`` of the previous window), and after the window's last backward (gradients
+  already summed over micro-batches and averaged over DDP ranks) multiplies the gradients by
+  ``W / (c · N)``, where ``N`` is the window's item count over all micro-batches and all ranks
+  (one small all-reduce) and ``W`` the number of DDP ranks. Clipping,
+  ``on_pre_optimizer_step`` callbacks and the optimizer therefore see the full-batch gradient;
+- a window with no counted items, a non-finite loss or a non-finite gradient is skipped, as
+  ``fb.Accumulator`` skips it: parameters, optimizer state and the LR schedule stay as they
+  were, a ``RuntimeWarning`` says so (at the 1st, 2nd, 4th, ... skip) and
+  ``trainer.fb_counters`` counts optimizer steps and skipped windows (``state.global_step``
+  counts both);
 - the partial last window of an epoch is normalized by its own count;
 - the logged training loss is the true loss of each window (loss sum over ``N``), averaged over
   the windows of the logging interval. ``num_items_in_batch``, ``model_accepts_loss_kwargs``
@@ -37,25 +42,25 @@ same rows as one full batch, and says whether its accumulation is exact.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 try:
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
     ) from exc
 
 from fullbatch._base._losses import cross_entropy_sum
-from fullbatch._base._normalize import check_count, grad_factor
+from fullbatch._base._normalize import check_count, squared_norm
 from fullbatch._base._schedule import KeptSchedule
+from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._base._versions import trainer_parallel_size
 from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
+from fullbatch._hf_window import KeepSchedule, end_trainer_window
 from fullbatch._verify._hf_check import TrainerCheck, check_trainer
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
@@ -185,11 +190,13 @@ class ExactTrainer(Trainer):
             )
         super().__init__(*args, **kwargs)
         self.fb_loss = loss
-        self._fb_c = 1.0  # identical on every rank: 1 / N of the previous window
+        # c: a power of two <= 1 / N of the previous window, identical on every rank
+        self._fb_c = 1.0
         self._fb_window: list[Any] = []  # the count and loss sum of this window, device tensors
         self._fb_left = 0  # micro-batches of the current window not yet run
-        self._fb_schedule: KeptSchedule | None = None  # see _KeepSchedule
-        self.add_callback(_KeepSchedule(self))
+        self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
+        self._fb_schedule: KeptSchedule | None = None  # a skip's LR schedule (KeepSchedule)
+        self.add_callback(KeepSchedule(self))
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -327,58 +334,34 @@ class ExactTrainer(Trainer):
         return loss_sum, torch.as_tensor(checked, dtype=torch.float64, device=loss_sum.device)
 
     def _normalize(self, model: torch.nn.Module) -> torch.Tensor:
-        """Turn the window's summed, pre-scaled gradients into the full-batch gradient."""
+        """End the window through the verdict: the full-batch gradient, or a skip."""
         totals = torch.stack(self._fb_window).sum(0)
         world = self.accelerator.num_processes
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if world > 1:
-            if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if not ddp:
                 raise RuntimeError(
                     f"{world} processes but the model is {type(model).__name__}, not "
                     "DistributedDataParallel: ExactTrainer supports DDP only."
                 )
             totals = self.accelerator.reduce(totals, reduction="sum")
-        values = [float(v) for v in totals.cpu()]
-        self._window_end(values)
-        loss_sum, count = values[0], values[1]
+        # DDP synced the gradients: every rank's squared norm is the same, read with the totals.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if count == 0:
-            warnings.warn(
-                "ExactTrainer: a window holds no counted items (every label is -100); its "
-                "gradients are dropped, so the optimizer updates no parameter, and the LR "
-                "scheduler is left where it was.",
-                stacklevel=2,
-            )
-            for p in model.parameters():
-                p.grad = None
-            # The Trainer steps the LR scheduler after this window anyway; keep its state and
-            # the learning rates, restored at on_step_end (_KeepSchedule).
-            optimizer = self.optimizer
-            self._fb_schedule = KeptSchedule(
-                [self.lr_scheduler], [] if optimizer is None else optimizer.param_groups
-            )
-            return torch.full((), math.nan, device=self.args.device)
-        # DDP averaged over `world` ranks; accelerate divided by its own accumulation steps.
-        divided = world if isinstance(model, torch.nn.parallel.DistributedDataParallel) else 1
-        scale = grad_factor(
-            divided * self.accelerator.gradient_accumulation_steps, count, self._fb_c
+        sq = squared_norm(grads, totals.device).to(totals).reshape(1)
+        *values, sq_total = torch.cat([totals, sq]).tolist()  # the one host sync per window
+        self._window_end(values)
+        verdict = end_trainer_window(
+            self,
+            model,
+            WindowTotals(
+                loss=values[0],
+                count=values[1],
+                squared_norm=sq_total,
+                # DDP averaged over `world` ranks; accelerate divided by its accumulation steps.
+                divisor=(world if ddp else 1) * self.accelerator.gradient_accumulation_steps,
+                loss_scale=self._fb_c,
+            ),
         )
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        self._fb_c = 1.0 / count
-        return torch.tensor(loss_sum / count, device=self.args.device)
-
-
-class _KeepSchedule(TrainerCallback):
-    """Undo the Trainer's LR-scheduler step after a window with no counted items.
-
-    The Trainer steps the scheduler after every optimizer step; on a window that changed no
-    parameter, fullbatch keeps the schedule where it was (as ``fb.Accumulator`` does).
-    """
-
-    def __init__(self, trainer: ExactTrainer) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        kept, self.trainer._fb_schedule = self.trainer._fb_schedule, None
-        if kept is not None:
-            kept.restore()
+        if verdict.next_loss_scale is not None:
+            self._fb_c = verdict.next_loss_scale
+        return torch.tensor(verdict.loss, device=self.args.device)

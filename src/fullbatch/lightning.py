@@ -7,7 +7,8 @@ divided by ``K`` (Lightning#19987). :class:`ExactAccumulation` makes each optimi
 full-batch step over the window's micro-batches (and all DDP ranks): ``training_step`` returns
 the *summed* loss and its item count, and the callback rescales the accumulated gradient once
 per window, in ``on_before_optimizer_step``, which Lightning calls after the GradScaler's
-unscale and before gradient clipping.
+unscale and before gradient clipping; a window with no counted items or a non-finite loss or
+gradient is skipped there, as ``fb.Accumulator`` skips it.
 
 Example (the full, runnable version is in ``docs/integrations.md``)::
 
@@ -46,9 +47,10 @@ except ImportError:  # pragma: no cover - depends on what is installed
             'package); install it with: pip install "fullbatch[lightning]"'
         ) from exc
 
-from fullbatch._base._normalize import check_count, grad_factor
+from fullbatch._base._normalize import check_count, scale_grads, squared_norm
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync import all_reduce_over
+from fullbatch._base._verdict import WindowCounters, WindowTotals, decide
 
 __all__ = ["ExactAccumulation"]
 
@@ -56,6 +58,8 @@ _RETURN_HINT = (
     'return {"loss": loss_sum, "count": n} from training_step, e.g. '
     "`loss_sum, n = fb.causal_lm_loss(logits, labels)`"
 )
+# The frameworks between the user's trainer.fit() and the callback's hooks.
+_THROUGH = ("lightning", "pytorch_lightning", "lightning_fabric", "torch")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class _Micro:
     loss: torch.Tensor  # detached summed loss, float64
     count: torch.Tensor  # item count, float64, on the loss's device
     divisor: int  # the K Lightning divides this micro-batch's loss by
+    scale: float  # c, which the callback multiplied this micro-batch's loss by
 
 
 class ExactAccumulation(pl.Callback):
@@ -72,17 +77,21 @@ class ExactAccumulation(pl.Callback):
 
     ``training_step`` must return ``{"loss": loss_sum, "count": n}``: the loss *summed* over
     the micro-batch's items and how many items that sum holds (``fb.causal_lm_loss`` and
-    ``fb.cross_entropy_sum`` return both). Lightning backpropagates ``loss_sum / K`` as usual
-    (DDP then averages over its ``W`` ranks); at ``on_before_optimizer_step`` the callback
-    all-reduces the window's loss sum and count over the DDP group (one small collective, no
-    gradient traffic) and multiplies every gradient by ``K * W / N``, so the optimizer, the
-    gradient clipping (``gradient_clip_val``) and the GradScaler see ``∇(Σ loss_sum) / N``.
-    The epoch's last, shorter window is normalized by its own count.
+    ``fb.cross_entropy_sum`` return both). The callback hands Lightning ``c · loss_sum``, ``c``
+    a power of two ``<= 1 / N`` of the previous window (1 in the first), identical on every
+    rank, which keeps fp16 gradients in range as ``fb.Accumulator`` does; Lightning
+    backpropagates it divided by ``K`` as usual (DDP then averages over its ``W`` ranks). At
+    ``on_before_optimizer_step`` the callback all-reduces the window's loss sum and count over
+    the DDP group (one small collective, no gradient traffic) and multiplies every gradient by
+    ``K * W / (c * N)``, so the optimizer, the gradient clipping (``gradient_clip_val``) and
+    the GradScaler see ``∇(Σ loss_sum) / N``. The epoch's last, shorter window is normalized
+    by its own count.
 
     How it sees the counts: at ``setup("fit")`` it sets an instance attribute
     ``training_step`` on the LightningModule that calls the original one and records its
-    output (the class is untouched; ``teardown`` removes the attribute). Outputs pass through
-    unchanged, so Lightning's progress-bar ``loss`` shows the micro-batch's summed loss.
+    output (the class is untouched; ``teardown`` removes the attribute). The output's other
+    keys pass through unchanged; its ``"loss"`` becomes ``c · loss_sum`` (a copy of the dict;
+    the returned dict itself from the first window on, where ``c = 1``).
 
     Args:
         log_name: the window's true loss ``Σ loss_sum / N`` (over micro-batches and ranks) is
@@ -100,17 +109,19 @@ class ExactAccumulation(pl.Callback):
             ExactAccumulation callbacks on one Trainer.
         RuntimeError: ``accumulate_grad_batches`` changed inside a window.
 
-    Warns (``RuntimeWarning``) and leaves parameters and optimizer state unchanged (every
-    gradient set to ``None``) when a window counts zero items or its loss is not finite;
+    Skips a window as ``fb.Accumulator`` does (``fullbatch._base._verdict``): when it counts
+    zero items, or its loss or gradient is not finite, parameters and optimizer state stay
+    unchanged (every gradient set to ``None``; with a GradScaler, the scaler still backs off),
     the step-interval LR schedulers Lightning steps after it are restored (learning rates
-    included), so a skipped window leaves the schedule where it was, as ``fb.Accumulator``
-    does. Epoch-interval schedulers are Lightning's.
+    included), and a ``RuntimeWarning`` says so at the 1st, 2nd, 4th, ... skip.
+    Epoch-interval schedulers are Lightning's. ``steps`` counts optimizer steps,
+    ``skipped_windows`` the skips, ``windows`` both (as ``trainer.global_step`` does).
 
     Example:
         >>> from fullbatch.lightning import ExactAccumulation
         >>> cb = ExactAccumulation()
-        >>> cb.steps, cb.skipped_windows
-        (0, 0)
+        >>> cb.steps, cb.skipped_windows, cb.windows
+        (0, 0, 0)
     """
 
     def __init__(self, *, log_name: str | None = "train_loss", grad_divisor: float | None = None):
@@ -120,14 +131,30 @@ class ExactAccumulation(pl.Callback):
         self.grad_divisor = grad_divisor
         self.loss = math.nan  # the last window's Σ loss_sum / N
         self.count = math.nan  # the last window's N (over ranks)
-        self.steps = 0  # windows that reached the optimizer (skipped ones included)
-        self.skipped_windows = 0
+        self.counters = WindowCounters()  # optimizer steps taken, windows skipped
+        self._scale = 1.0  # c: a power of two <= 1 / N of the previous window, on every rank
         self._pending: list[_Micro] = []
         # a skipped window's scheduler states and param-group values, restored after
         # Lightning's scheduler step (on_train_batch_end)
         self._kept: KeptSchedule | None = None
         self._recorded = False  # this batch's training_step output was recorded
         self._module: pl.LightningModule | None = None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped windows are not steps)."""
+        return self.counters.steps
+
+    @property
+    def skipped_windows(self) -> int:
+        """Windows skipped: no counted items, a non-finite loss or gradient."""
+        return self.counters.skipped_windows
+
+    @property
+    def windows(self) -> int:
+        """Windows that reached the optimizer hook, stepped or skipped (``trainer.global_step``
+        counts the same)."""
+        return self.counters.windows
 
     # -- set-up and tear-down ------------------------------------------------------------
 
@@ -239,9 +266,11 @@ class ExactAccumulation(pl.Callback):
                 raise ValueError(f'training_step\'s "count": {exc}') from None
         n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
         divisor = trainer.accumulate_grad_batches  # what Lightning divides this loss by, next
-        self._pending.append(_Micro(loss.detach().to(torch.float64), n, divisor))
+        c = self._scale
+        self._pending.append(_Micro(loss.detach().to(torch.float64), n, divisor, c))
         self._recorded = True
-        return out
+        # Lightning backpropagates what "loss" holds: c · loss_sum (c = 1: the output as is).
+        return out if c == 1.0 else {**out, "loss": loss * c}
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drop_pending("at the start of an epoch")
@@ -310,18 +339,30 @@ class ExactAccumulation(pl.Callback):
             world = float(all_reduce_over(local, group))
         if self.grad_divisor is not None:
             world = float(self.grad_divisor)
-        total_loss, total_count, bad = local.tolist()  # the one host sync per window
-        self.steps += 1
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # DDP synced the gradients (and Lightning unscaled them): the norm is every rank's.
+        sq = squared_norm([p.grad for p in params if p.grad is not None], local.device)
+        stats = torch.cat([local, sq.to(local).reshape(1)])
+        total_loss, total_count, bad, sq_total = stats.tolist()  # the one host sync per window
         if bad:
             raise ValueError(
                 f"{int(bad)} micro-batch count(s) in this window were negative or not finite "
                 f"(this rank's counts: {counts.tolist()}). " + _RETURN_HINT
             )
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if total_count == 0 or not math.isfinite(total_loss):
-            self.loss, self.count = math.nan, total_count
-            self.skipped_windows += 1
-            reason = "zero counted items" if total_count == 0 else f"non-finite loss {total_loss}"
+        # Lightning backpropagated c · loss_sum / K; DDP averaged over `world` ranks.
+        verdict = decide(
+            WindowTotals(
+                loss=total_loss,
+                count=total_count,
+                squared_norm=sq_total,
+                divisor=divisors.pop() * world,
+                loss_scale=window[0].scale,
+            )
+        )
+        self.loss, self.count = verdict.loss, total_count
+        if verdict.next_loss_scale is not None:
+            self._scale = verdict.next_loss_scale
+        if verdict.skipped:
             for p in params:
                 p.grad = None  # torch optimizers leave parameters without a gradient alone
             # Lightning steps step-interval schedulers after this window regardless: keep
@@ -330,21 +371,16 @@ class ExactAccumulation(pl.Callback):
                 (c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"),
                 optimizer.param_groups,
             )
-            warnings.warn(
-                f"ExactAccumulation skipped window {self.steps} ({reason}): parameters, "
-                f"optimizer state and step-interval LR schedulers unchanged "
-                f"({self.skipped_windows} skipped so far).",
-                RuntimeWarning,
-                stacklevel=2,
+            self.counters.skipped(
+                self.counters.windows,
+                str(verdict.reason),
+                report="the callback's skipped_windows",
+                scaler=getattr(trainer.precision_plugin, "scaler", None) is not None,
+                through=_THROUGH,
             )
             return
-        # Lightning backpropagated loss_sum / K; DDP averaged over `world` ranks.
-        factor = grad_factor(divisors.pop() * world, total_count)
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-        self.loss, self.count = total_loss / total_count, total_count
+        scale_grads([p.grad for p in params if p.grad is not None], verdict.factor)
+        self.counters.stepped()
         if self.log_name is not None:
             # a Python float would be logged as float32
             value = torch.tensor(self.loss, dtype=torch.float64)

@@ -155,7 +155,7 @@ def test_float32(rows: list[Any]) -> None:
 
 def test_window_without_counted_items_updates_nothing(rows: list[Any]) -> None:
     start = {n: p.detach().clone() for n, p in llama().named_parameters()}
-    with pytest.warns(UserWarning, match="no counted items"):
+    with pytest.warns(RuntimeWarning, match="no items counted in the window"):
         got = run(llama, rows[:8], "all_ignored", k=2, batch=4, exact="causal_lm")
     assert len(got["steps"]) == 1
     for name, value in got["steps"][0].items():
@@ -165,7 +165,7 @@ def test_window_without_counted_items_updates_nothing(rows: list[Any]) -> None:
 def test_window_without_counted_items_leaves_the_schedule(rows: list[Any]) -> None:
     """Linear decay over 2 steps; window 1 counts nothing, so window 2 steps with lr(0) = 0.1,
     as a run over window 2 alone does (lr(1) = 0.05 had the scheduler moved)."""
-    with pytest.warns(UserWarning, match="no counted items"):
+    with pytest.warns(RuntimeWarning, match="no items counted in the window"):
         got = run(
             llama,
             rows[:16],
@@ -207,6 +207,7 @@ def test_check_trainer(tmp_path: Any, rows: list[Any]) -> None:
     for name, p in model.named_parameters():  # the user's model is untouched
         assert torch.equal(p, before[name]) and p.grad is None, name
     assert exact_trainer._fb_c == 1.0 and exact_trainer._fb_left == 0
+    assert exact_trainer.fb_counters.windows == 0  # the check left no count behind
     # Llama's head consumes num_items_in_batch: the stock Trainer is exact there, and says so.
     llama_check = fbhf.check_trainer(_trainer(tmp_path, llama(), "causal_lm"), rows)
     assert llama_check.passed, str(llama_check)

@@ -190,7 +190,9 @@ def test_window_with_zero_items_is_skipped_with_a_warning(tmp_path: Path) -> Non
         b["labels"].fill_(-100)
     ref = reference(tiny_lm(0).double(), windows[:1])
     cb = ExactAccumulation()
-    with pytest.warns(RuntimeWarning, match="skipped window 2 \\(zero counted items\\)"):
+    with pytest.warns(
+        RuntimeWarning, match="window 1 was skipped \\(no items counted in the window\\)"
+    ):
         rec = fit(LM(tiny_lm(0)), batches, k=K, root=str(tmp_path), exact=False, callbacks=[cb])
     assert cb.skipped_windows == 1 and math.isnan(cb.loss)
     assert max_diff(rec.params[:1], ref) < 1e-12
@@ -203,7 +205,7 @@ def test_skipped_window_leaves_the_step_scheduler_where_it_was(tmp_path: Path) -
     for b in batches[4:8]:  # the second window has no target at all
         b["labels"].fill_(-100)
     ref = reference(tiny_lm(0).double(), [windows[0], windows[2]], gamma=0.5)
-    with pytest.warns(RuntimeWarning, match="skipped window 2"):
+    with pytest.warns(RuntimeWarning, match="window 1 was skipped"):
         rec = fit(LM(tiny_lm(0), scheduler=True), batches, k=K, root=str(tmp_path))
     assert len(rec.params) == 3
     assert max_diff(rec.params[:1], ref[:1]) < 1e-12
@@ -346,10 +348,41 @@ def test_a_non_finite_window_loss_is_skipped_with_a_warning(tmp_path: Path) -> N
 
     batches, windows = _data(SIZES[:8])
     ref = reference(tiny_lm(0).double(), windows[:1])
-    with pytest.warns(RuntimeWarning, match="skipped window 2 \\(non-finite loss inf\\)"):
+    with pytest.warns(RuntimeWarning, match="window 1 was skipped \\(non-finite loss\\)"):
         rec = fit(InfAt5(tiny_lm(0)), batches, k=K, root=str(tmp_path))
     assert max_diff(rec.params[:1], ref) < 1e-12
     assert max_diff(rec.params[1:], rec.params[:1]) == 0.0
+
+
+def test_a_non_finite_gradient_under_a_grad_scaler_is_skipped_and_backs_off(
+    tmp_path: Path,
+) -> None:
+    """fp16 with a GradScaler (CPU plugin): an inf gradient in the second window is skipped by
+    the one verdict (parameters unchanged, counted, warned with the GradScaler hint), and the
+    scaler still sees it and backs off, as it does in fb.Accumulator."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class InfGrad(LM):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.poison = batch_idx == 5  # second window
+            return super().training_step(batch, batch_idx)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out = super().forward(ids)
+            if self.poison:
+                out.register_hook(lambda g: torch.full_like(g, math.inf))
+            return out
+
+    batches, _ = _data(SIZES[:8])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    cb = ExactAccumulation()
+    how = {"precision": None, "plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    with pytest.warns(RuntimeWarning, match="non-finite gradient.*With a GradScaler"):
+        rec = fit(InfGrad(tiny_lm(0)), batches, k=K, root=str(tmp_path), exact=False,
+                  callbacks=[cb], **how)  # fmt: skip
+    assert (cb.steps, cb.skipped_windows, cb.windows) == (1, 1, 2)
+    assert max_diff(rec.params[1:], rec.params[:1]) == 0.0
+    assert scaler.get_scale() == 2.0**9  # backed off once
 
 
 def _setup_with(strategy: Any, cb: ExactAccumulation | None = None) -> None:

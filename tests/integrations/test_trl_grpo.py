@@ -246,3 +246,64 @@ def test_import_error_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "pip install 'fullbatch[trl]'" in out.stdout, out.stderr
+
+
+def test_a_non_finite_window_is_skipped_as_in_every_wing() -> None:
+    """The one verdict with GRPO's own scales: a NaN in the second window's loss leaves the
+    parameters, the optimizer (SGD with momentum) and the LR schedule as they were, warns at
+    the user's line, and fullbatch counts 2 optimizer steps of 3 windows."""
+    import math
+    import tempfile
+
+    from transformers import TrainerCallback
+
+    class Poisoned(ExactGRPOTrainer):
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+            loss = super()._compute_loss(model, inputs)
+            return loss * math.nan if self.state.global_step == 1 else loss
+
+    snaps: list[tuple[list[torch.Tensor], Any, float]] = []
+
+    def snap(trainer: Any) -> None:
+        params = [p.detach().clone() for p in trainer.model.parameters()]
+        momentum = [s["momentum_buffer"].clone() for s in trainer.optimizer.state.values()]
+        snaps.append((params, momentum, trainer.lr_scheduler.get_last_lr()[0]))
+
+    class Snap(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > 0:
+                snap(trainer)
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), loss_type="dapo", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=6, steps_per_generation=2,
+        gradient_accumulation_steps=2, max_steps=3, learning_rate=0.05,
+        lr_scheduler_type="linear", optim="sgd", optim_args="momentum=0.9", use_cpu=True,
+        bf16=False, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Poisoned(
+            model=cases.policy(),
+            reward_funcs=cases.reward,
+            args=args,
+            train_dataset=cases.dataset(),
+            processing_class=cases.tokenizer(),
+            callbacks=[Snap()],
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    snap(trainer)
+    assert (trainer.fb_counters.steps, trainer.fb_counters.skipped_windows) == (2, 1)
+    assert trainer.state.global_step == 3  # the Trainer counts windows
+    (p0, m0, lr0), (p1, m1, lr1), (p2, _, lr2) = snaps
+    assert len(m0) == len(p0)  # SGD with momentum: optimizer state a step would change
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))  # untouched
+    assert all(torch.equal(a, b) for a, b in zip(m0, m1, strict=True))
+    assert lr1 == lr0 and lr2 < lr1  # the schedule waited for the skip, then moved on
+    assert not all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))  # window 2 stepped
+    assert all(bool(torch.isfinite(p).all()) for p in p2)
+    skips = [w for w in caught if "was skipped" in str(w.message)]
+    assert len(skips) == 1 and skips[0].filename == __file__, skips
+    assert str(skips[0].message).startswith("window 1 was skipped (non-finite loss)")

@@ -8,6 +8,9 @@ Every scale factor the library applies is computed here (STYLE rule 2):
   previous window's ``N``, or for the first window from an estimate of its size.
 - at the step the gradient is multiplied by ``W / (c · N)`` (count form) or ``W`` (share form),
   computed in float64, where ``W`` is the divisor the data-parallel wrapper applies.
+
+Whether a window steps at all, and with which of these numbers, is decided once for every
+wing in :mod:`fullbatch._base._verdict`, which calls this module.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def grad_factor(divisor: float, count: float | None, loss_scale: float = 1.0) ->
     ``divisor / (loss_scale · count)``: ``divisor`` undoes what the wrapper (and a framework's
     own accumulation) divided by, ``loss_scale`` (``c``) what every loss was multiplied by, and
     ``count`` is the window's ``N``. ``count=None`` is the share form (losses already divided
-    by their total): ``divisor`` alone. ``count=0`` gives 0 (the window is skipped). Used by
-    the engine's step and by the Trainer and Lightning integrations.
+    by their total): ``divisor`` alone. ``count=0`` gives 0 (the window is skipped). Called
+    by :func:`fullbatch._base._verdict.decide`, through which every wing ends its window.
 
     >>> grad_factor(2.0, 8.0, 0.125), grad_factor(2.0, None), grad_factor(4.0, 0.0)
     (2.0, 2.0, 0.0)

@@ -228,12 +228,12 @@ class Accumulator:
     @property
     def steps(self) -> int:
         """Optimizer steps taken so far."""
-        return self._engine.steps
+        return self._engine.counters.steps
 
     @property
     def skipped_windows(self) -> int:
         """Windows skipped so far (zero items, non-finite loss or gradient)."""
-        return self._engine.skipped_windows
+        return self._engine.counters.skipped_windows
 
     @property
     def micro_batch_size(self) -> int | None:

@@ -9,7 +9,7 @@ from the Accumulator to the helpers and never back. The drivers see the user's w
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from fullbatch._base._autosize import AutoSize
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
+from fullbatch._base._verdict import WindowCounters
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
@@ -61,8 +62,7 @@ class Engine:
     max_grad_norm: float | None
     stat_device: torch.device
     mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
-    steps: int = 0
-    skipped_windows: int = 0
+    counters: WindowCounters = field(default_factory=WindowCounters)  # steps, skipped windows
     loss_scale: float | None = None  # c of the next window; None before the first
     closed: bool = False
     window: WindowState | None = None  # the open window: set by open_window, cleared by end

@@ -121,8 +121,9 @@ class Resume:
         now = optimizer_progress(engine.optimizer)
         if saved is not None and [float(v) for v in saved] != now:
             raise RuntimeError(
-                f"the optimizer's state does not match the loaded Accumulator state (acc.steps "
-                f"= {engine.steps}): the optimizer holds state for {int(now[0])} parameter(s)"
+                "the optimizer's state does not match the loaded Accumulator state (acc.steps "
+                f"= {engine.counters.steps}): the optimizer holds state for {int(now[0])} "
+                "parameter(s)"
                 f"{_steps(now)}, the run that saved it held state for {int(saved[0])}"
                 f"{_steps(saved)}. Load the optimizer's state too "
                 "(optimizer.load_state_dict(...)), saved at the same moment, before "
@@ -158,8 +159,8 @@ class Resume:
         return {
             "format": FORMAT,
             **identity(engine, self._names),
-            "steps": engine.steps,
-            "skipped_windows": engine.skipped_windows,
+            "steps": engine.counters.steps,
+            "skipped_windows": engine.counters.skipped_windows,
             "loss_scale": engine.loss_scale,
             "scheduler_epoch": engine.guard._scheduler_epoch(),
             "optimizer": optimizer_progress(engine.optimizer),
@@ -221,8 +222,8 @@ class Resume:
                 "state before acc.windows(loader), on a fresh Accumulator or between windows."
             )
         self._check(state)
-        engine.steps = int(state["steps"])
-        engine.skipped_windows = int(state["skipped_windows"])
+        engine.counters.steps = int(state["steps"])
+        engine.counters.skipped_windows = int(state["skipped_windows"])
         engine.loss_scale = None if state["loss_scale"] is None else float(state["loss_scale"])
         engine.pending = dict(state)
 

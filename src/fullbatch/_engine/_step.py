@@ -2,7 +2,8 @@
 
 all-reduce (loss sum, count, flags) → unscale (GradScaler) → normalize → clip (report the
 pre-clip norm) → optimizer step (skip on zero items or non-finite values) → scaler update →
-scheduler step → ``zero_grad(set_to_none=True)``.
+scheduler step → ``zero_grad(set_to_none=True)``. Whether and by how much to step is
+:func:`fullbatch._base._verdict.decide`, as in every wing.
 """
 
 from __future__ import annotations
@@ -11,15 +12,9 @@ import math
 
 import torch
 
-from fullbatch._base._normalize import (
-    accumulation_dtype,
-    grad_factor,
-    power_of_two_scale,
-    scale_grads,
-    squared_norm,
-)
+from fullbatch._base._normalize import accumulation_dtype, scale_grads, squared_norm
 from fullbatch._base._stats import StepStats
-from fullbatch._base._warn import warn
+from fullbatch._base._verdict import NONFINITE_GRADIENT, WindowTotals, decide
 from fullbatch._engine._core import Engine
 from fullbatch._engine._open import end_window
 from fullbatch._engine._state import Phase, WindowState
@@ -115,28 +110,27 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
     else:
         sq = float(squared_norm(grads, engine.stat_device)) if grads else 0.0
     # The divisor W undoes the wrapper's average over ranks; c·N is the window's normalizer.
-    factor = grad_factor(sync.divisor, None if share else count, loss_scale)
-    grad_norm = math.sqrt(sq) * factor if math.isfinite(sq) else math.nan
-    reason = None
-    if not share and count == 0:
-        reason, grad_norm = "no items counted in the window", math.nan
-    elif not math.isfinite(loss_total):
-        reason = "non-finite loss"
-    elif not math.isfinite(sq):
-        reason = "non-finite gradient"
+    verdict = decide(
+        WindowTotals(
+            loss=loss_total,
+            count=None if share else count,
+            squared_norm=sq,
+            divisor=sync.divisor,
+            loss_scale=loss_scale,
+            max_grad_norm=engine.max_grad_norm,
+            share=share,
+        )
+    )
     lr = _lr(engine)
-    if reason is None:
-        clip = 1.0
-        if engine.max_grad_norm is not None:
-            clip = min(1.0, engine.max_grad_norm / (grad_norm + 1e-6))
+    if not verdict.skipped:
         if engine.window_hooks:  # the hooks see normalized, unclipped gradients
-            scale_grads(grads, factor)
+            scale_grads(grads, verdict.factor)
             if precision is not None:
                 precision.write_back()
             engine.window_hooks.run()
-            scale_grads([p.grad for p in engine.params if p.grad is not None], clip)
-        else:
-            scale_grads(grads, factor * clip)  # the rescale folds into the clip multiply
+            scale_grads([p.grad for p in engine.params if p.grad is not None], verdict.clip)
+        else:  # the rescale folds into the clip multiply
+            scale_grads(grads, verdict.factor * verdict.clip)
             if precision is not None:
                 precision.write_back()  # cast once, after normalizing and clipping in float32
         engine.guard.stepping = True
@@ -147,53 +141,38 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
                 engine.optimizer.step()
         finally:
             engine.guard.stepping = False
-        engine.steps += 1
+        engine.counters.stepped()
     else:
-        engine.skipped_windows += 1
-        warn_skipped(engine, state.index, reason)
+        engine.counters.skipped(
+            state.index,
+            str(verdict.reason),
+            report="acc.skipped_windows and stats.skipped_windows",
+            scaler=scaler is not None,
+        )
     if scaler is not None:
-        if reason == "non-finite gradient" and sync.sharded:
+        if verdict.reason == NONFINITE_GRADIENT and sync.sharded:
             # Each rank's scaler saw only its shard: back off the same way everywhere.
             scaler.update(grad_scale * scaler.get_backoff_factor())
         else:
             scaler.update()
-    if reason is None and engine.scheduler is not None:
+    if not verdict.skipped and engine.scheduler is not None:
         engine.scheduler.step()
         engine.guard.scheduler_stepped()
-    end_window(engine, state, Phase.STEPPED if reason is None else Phase.SKIPPED)
-    if not share and count > 0:
-        engine.loss_scale = power_of_two_scale(count)  # the next window's c: ≈ 1 / N, exact
+    end_window(engine, state, Phase.SKIPPED if verdict.skipped else Phase.STEPPED)
+    if verdict.next_loss_scale is not None:
+        engine.loss_scale = verdict.next_loss_scale  # the next window's c: ≈ 1 / N, exact
     return StepStats(
-        loss=loss_total / count if not share and count else (loss_total if share else math.nan),
+        loss=verdict.loss,
         count=math.nan if share else count,
-        grad_norm=grad_norm,
-        skipped=reason is not None,
-        reason=reason,
-        steps=engine.steps,
+        grad_norm=verdict.grad_norm,
+        skipped=verdict.skipped,
+        reason=verdict.reason,
+        steps=engine.counters.steps,
         loss_scale=loss_scale,
         lr=lr,
         micro_batches=state.yielded,
         totals=dict(state.totals or {}),
-        skipped_windows=engine.skipped_windows,
-    )
-
-
-def warn_skipped(engine: Engine, index: int, reason: str) -> None:
-    """Warn about a skipped window: the 1st, 2nd, 4th, 8th, ... so a long run is not flooded."""
-    n = engine.skipped_windows
-    if n & (n - 1):
-        return
-    hint = (
-        " With a GradScaler a few skips are expected while it calibrates its scale."
-        if engine.scaler is not None and reason == "non-finite gradient"
-        else ""
-    )
-    warn(
-        f"window {index} was skipped ({reason}): parameters, optimizer and scheduler are "
-        f"unchanged. {n} window(s) skipped so far, {engine.steps} stepped; stats.skipped and "
-        f"stats.skipped_windows report every skip (this warning repeats at 1, 2, 4, 8, ... "
-        f"skips).{hint}",
-        RuntimeWarning,
+        skipped_windows=engine.counters.skipped_windows,
     )
 
 

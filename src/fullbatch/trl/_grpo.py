@@ -20,7 +20,12 @@ advantages, per-token losses and metrics, and changes only the normalization:
 - the MoE router loss is a statistic of a micro-batch's router load, not a sum over sequences:
   it keeps TRL's weighting, the mean over the window's micro-batches on all ranks;
 - per-micro-batch metrics (entropy, KL, clip ratios) are merged into one value per window
-  (token-weighted means, window minima and maxima), and ``policy_loss`` is the window's.
+  (token-weighted means, window minima and maxima), and ``policy_loss`` is the window's;
+- the window ends through fullbatch's one verdict (``fullbatch._base._verdict``) with these
+  scales kept (the share form: the gradient is already the window's): a window whose objective
+  has no items (``dapo``/``cispo`` with no completion token), a non-finite loss or a
+  non-finite gradient is skipped as ``fb.Accumulator`` skips it, counted in
+  ``trainer.fb_counters``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from typing import Any
 
 import torch
 
+from fullbatch._base._normalize import squared_norm
+from fullbatch._base._verdict import WindowCounters, WindowTotals
+from fullbatch._hf_window import KeepSchedule, end_trainer_window
 from fullbatch.trl._grpo_window import SEQUENCE_LOSSES, TOKEN_LOSSES, GRPOWindow
 
 try:
@@ -132,6 +140,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         self._fb_position = 0
         self._fb_scales: tuple[float, float] | None = None
         self._fb_captured: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self._fb_losses: list[torch.Tensor] = []  # this window's loss values, this rank
+        self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
+        self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
+        self.add_callback(KeepSchedule(self))
 
     def _training(self) -> bool:
         return bool(getattr(self.model, "training", False))
@@ -183,6 +195,37 @@ class ExactGRPOTrainer(GRPOTrainer):
             )
         inputs, self._fb_position = self._fb_queue.popleft()
         return inputs
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """TRL's micro-batch step; after the window's last, the verdict (skip rule only)."""
+        out = super().training_step(model, inputs, num_items_in_batch)
+        window = self._fb_window
+        if window is None or not self._training():
+            return out
+        self._fb_losses.append(out.detach().double().reshape(1))
+        if not self._fb_queue:  # the window's last micro-batch
+            self._end_window(model, window)
+        return out
+
+    def _end_window(self, model: Any, window: GRPOWindow) -> None:
+        losses, self._fb_losses = self._fb_losses, []
+        local = torch.cat(losses).sum().reshape(1)
+        world = self.accelerator.num_processes
+        # the values are shares of the window objective times `world` (DDP averages gradients)
+        total = self.accelerator.reduce(local, reduction="sum") if world > 1 else local
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        sq = squared_norm(grads, total.device).to(total).reshape(1)
+        loss, sq_total = torch.cat([total / world, sq]).tolist()  # one host sync
+        end_trainer_window(
+            self,
+            model,
+            WindowTotals(
+                loss=loss,
+                count=window.tokens_total if self.loss_type in TOKEN_LOSSES else window.sequences,
+                squared_norm=sq_total,
+                share=True,  # the scales above made each term the window's share
+            ),
+        )
 
     # -- the loss -------------------------------------------------------------------------
 
