@@ -65,8 +65,8 @@ def _padding_counted(
 ) -> str | None:
     counted = labels != -100
     if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
-        pad = (mask[:, 1:] == 0) & (mask[:, :-1] == 0)
-        padded = int((counted[:, 1:] & pad).sum())
+        both = (mask[:, 1:] == 0) & (mask[:, :-1] == 0)
+        padded = int((counted[:, 1:] & both).sum())
         if padded:
             return (
                 f"labels are counted where attention_mask is 0 ({padded} padding positions "
@@ -78,12 +78,12 @@ def _padding_counted(
         return None
     if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape:
         return None
-    for pad in pad_ids:
-        padded = int((counted[:, 1:] & _pad_runs(ids, pad)).sum())
-        if padded:
+    for pad_id in pad_ids:
+        on_pad = int((counted[:, 1:] & _pad_runs(ids, pad_id)).sum())
+        if on_pad:
             return (
-                f"labels are counted on padding: {padded} positions in a count of {n:g} hold "
-                f"the pad id {pad} (from model.config) in input_ids, after another pad id at "
+                f"labels are counted on padding: {on_pad} positions in a count of {n:g} hold "
+                f"the pad id {pad_id} (from model.config) in input_ids, after another pad id at "
                 "the end (or start) of their row, and the batch has no attention_mask to tell "
                 "padding apart. The loss would train the model to predict padding. Label "
                 "padding with -100: have the collator return attention_mask and set "
@@ -127,7 +127,7 @@ def label_mistake(
     if n <= 0 or n not in (unshifted, shifted, masked, twice):
         return None  # the loss counts something else (another ignore_index, weights, rows)
     aligned = isinstance(ids, torch.Tensor) and ids.shape == labels.shape
-    copied = aligned and bool((labels == ids)[counted].all())
+    copied = aligned and bool((labels == ids)[counted].all())  # type: ignore[index]
     if n == twice and n not in (unshifted, shifted, masked):
         if not copied:
             return None
@@ -143,7 +143,7 @@ def label_mistake(
     padding = _padding_counted(labels, ids, mask, pad_ids, n)
     if padding is not None:
         return padding
-    if not aligned:
+    if not aligned or not isinstance(ids, torch.Tensor):
         return None
     mid = counted[:, :-1]
     pre_shifted = bool(mid.any()) and bool((labels[:, :-1] == ids[:, 1:])[mid].all())
