@@ -127,7 +127,8 @@ def test_the_correct_shifts_stay_silent_and_exact() -> None:
     # inputs that are a view at column 1 (a BOS column stripped) with their own labels: fine
     raw = torch.randint(3, 64, (2, 7))
     ids = raw[:, 1:]
-    fb.causal_lm_loss(torch.randn(2, 6, 64), ids)
+    _, n = fb.causal_lm_loss(torch.randn(2, 6, 64), ids)
+    assert int(n) == 10
 
 
 # -- pad-id labels in a batch without attention_mask ------------------------------------------

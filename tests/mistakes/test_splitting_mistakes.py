@@ -1,5 +1,8 @@
 """Issue 26: the window size given in the wrong unit, and rows cut or joined wrongly.
 
+Errors quoted from ``python benchmarks/mistakes.py --table migration`` (tiny Llama, float64);
+the tests show each mistake wrong on their own small models, then refused or warned.
+
 - ``micro_batch_size=M`` with a loader that already yields M-row micro-batches: every window
   is one micro-batch, nothing accumulates (4 steps instead of 1): warned with
   ``micro_batches=K``.
@@ -7,9 +10,9 @@
   first step). Warned when the loader has fewer than K items; a longer loader of whole
   batches cannot be told from a loader of micro-batches (documented).
 - ``fb.row_windows`` joining left-padded prompts without ``left=``: padding on both sides of
-  the joined rows (43% off here): refused with ``left=``.
+  the joined rows (40% off): refused with ``left=``.
 - ``micro_batch_tokens``: a per-row ``[rows, W]`` tensor whose W equals the padded width was
-  trimmed (7.9% off here): an unknown key that wide is refused, naming ``token_keys=``.
+  trimmed (7.9% off): an unknown key that wide is refused, naming ``token_keys=``.
 """
 
 from __future__ import annotations

@@ -304,39 +304,38 @@ class Accumulator:
 
     def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
+        guard = self._engine.guard
+        guard.start_iteration()  # another optimizer's step is refused until the windows end
+        try:
+            yield from self._each_window(loader)
+        finally:
+            guard.end_iteration()
+
+    def _each_window(self, loader: Any) -> Iterator[Window]:
         engine = self._engine
         stream = self._resume.stream(loader)
         index = 0
-        engine.guard.start_iteration()  # another optimizer's step is refused until it ends
-        try:
-            while True:
-                if engine.guard.scheduler_moved():
-                    raise RuntimeError(engine.guard.scheduler_message())
-                loader_items = self._resume.taken()
-                feed, first_item = self._next_feed(stream)
-                state = open_window(
-                    engine,
-                    feed,
-                    stream,
-                    index=index,
-                    loader_items=loader_items,
-                    first_item=first_item,
+        while True:
+            if engine.guard.scheduler_moved():
+                raise RuntimeError(engine.guard.scheduler_message())
+            loader_items = self._resume.taken()
+            feed, first_item = self._next_feed(stream)
+            state = open_window(
+                engine, feed, stream, index=index, loader_items=loader_items, first_item=first_item
+            )
+            if state is None:
+                return
+            if state is False:  # dropped
+                continue
+            window = Window(engine, state)
+            yield window
+            if not window._state.phase.closed:
+                engine.sync.end()
+                raise RuntimeError(
+                    f"window {index} was neither stepped nor discarded before the next one: "
+                    "call window.step() (or window.discard()) at the end of each window."
                 )
-                if state is None:
-                    return
-                if state is False:  # dropped
-                    continue
-                window = Window(engine, state)
-                yield window
-                if not window._state.phase.closed:
-                    engine.sync.end()
-                    raise RuntimeError(
-                        f"window {index} was neither stepped nor discarded before the next "
-                        "one: call window.step() (or window.discard()) at the end of each window."
-                    )
-                index += 1
-        finally:
-            engine.guard.end_iteration()
+            index += 1
 
     def _next_feed(self, stream: Stream) -> tuple[Feed, Any]:
         """The next window's micro-batches, and its first loader item (None: this rank has none)."""
