@@ -33,6 +33,7 @@ a share divided by the micro-batch's own count. ``fb.verify`` catches the first 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sized
 from typing import Any
 
@@ -158,7 +159,7 @@ class MistakeChecks:
         self._read_in: Any = None  # the last window whose totals were read
         self._graphs: list[Any] = []  # autograd nodes backpropagated for this micro-batch
         self._warned: set[str] = set()
-        self._first: Any = None  # the first window (the route hooks live for it)
+        self._first: Any = None  # a weak reference to the first window (the route hooks' life)
         self._route: ForwardRoute | None = None
         inner = getattr(model, "module", None)
         if sync.kind == "ddp" and not sync.reduce_at_step and isinstance(inner, nn.Module):
@@ -185,8 +186,8 @@ class MistakeChecks:
     def see(self, window: Any, micro: Any) -> None:
         """A micro-batch was yielded: keep it for the label checks, flag an uncollated one."""
         if self._first is None:
-            self._first = window
-        elif window is not self._first and self._route is not None:
+            self._first = weakref.ref(window)  # weakly: a window holds its loader item
+        elif self._first() is not window and self._route is not None:
             self._route.close()  # the first window is over: its checks are done
             self._route = None
         if self._route is not None:
