@@ -28,6 +28,7 @@ DOCUMENTED = {
     "testing",
     "scale_lr",
     "row_windows",
+    "probe",
 }
 
 
