@@ -211,7 +211,8 @@ def check_window(
             "dropped",
         )
     ok = problem is None and ref_norm > 0 and error <= tol and differ <= tol
-    last = clips[-1] if clips else None
+    clipped = [c for c in clips if c.coef < 1.0]  # a clip_grad_norm_ that only measured: none
+    last = clipped[-1] if clipped else None
     return Measured(
         step=step, engine=engine, objective=name, ok=ok, error=error, band=band,
         tolerance=tol, ranks=per_rank, counts=counts, count=count, fit=result,

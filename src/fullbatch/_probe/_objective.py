@@ -7,7 +7,9 @@ over rows: one class label per row, or a regression target), or ``fn(model, micr
 
 The built-in objectives run the model on the inputs it received, without the arguments that
 only shape its own loss (``labels``, ``num_items_in_batch``, TRL's ``fused_lm_head``), and
-compute the summed loss from the logits with :func:`fullbatch.cross_entropy_sum`.
+compute the summed loss from the logits with :func:`fullbatch.cross_entropy_sum`. A call through
+TRL's fused LM head (``fused_lm_head=True``: no logits) is replayed through that head, whose
+per-token log-probabilities are the same objective.
 """
 
 from __future__ import annotations
@@ -104,11 +106,21 @@ def _no_labels(call: Call) -> ValueError:
     )
 
 
+def _fused(module: nn.Module, call: Call) -> tuple[torch.Tensor, float]:
+    """TRL's fused LM head, called as the trainer called it: ``Σ -log p`` over its targets
+    (the same objective; its float32 tiles round as the trainer's did)."""
+    kwargs = {k: v for k, v in call.kwargs.items() if k not in ("num_items_in_batch",)}
+    out = module(*call.args, **kwargs)
+    return -out.log_probs.sum(), float(out.label_mask.sum())
+
+
 def _builtin(kind: str) -> ObjectiveFn:
     def objective(module: nn.Module, call: Call) -> tuple[torch.Tensor, float]:
         labels, shifted = call.labels()
         if labels is None:
             raise _no_labels(call)
+        if kind == "causal_lm" and call.kwargs.get("fused_lm_head") is True:
+            return _fused(module, call)
         kwargs = {k: v for k, v in call.kwargs.items() if k not in _LOSS_ONLY}
         logits = _logits(module(*call.args, **kwargs))
         if kind == "sample" and labels.is_floating_point():  # regression: squared error

@@ -160,7 +160,31 @@ class Probe:
         if any(g is not None for g in grads):
             self._leftovers[id(module)] = sampler.take(grads)
 
-    def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
+        last micro-batch, its clipping and its callbacks inside ``step(closure)``), right after
+        the closure returns, before the parameters move."""
+        if self._done:
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._check(optimizer)
+            return None
+        checked = False
+
+        def closure_then_check() -> Any:
+            nonlocal checked
+            result = closure()
+            if not checked:  # LBFGS calls its closure again: the window is the first call's
+                checked = True
+                self._check(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_check}
+        return (closure_then_check, *args[1:]), kwargs
+
+    def _check(self, optimizer: torch.optim.Optimizer) -> None:
         if self._done:
             return
         self._steps += 1
