@@ -133,5 +133,5 @@ def test_cli_help(capsys) -> None:
     code, out = _cli(["--help"], capsys)
     assert code == 0
     assert "usage: fullbatch" in out
-    for sub in ("demo", "verify"):
+    for sub in ("demo", "verify", "probe"):
         assert sub in out

@@ -75,6 +75,7 @@ class Probe:
         self._steps = 0
         self._done = False
         self._handles: list[RemovableHandle] = []
+        self.failed: BaseException | None = None  # what the probe's own check raised
 
     # -- the report --------------------------------------------------------------------------
 
@@ -206,7 +207,8 @@ class Probe:
                 leftovers=leftovers, objective=self.objective, ranks=self.ranks, clips=clips,
                 engine=find_engine(),
             )  # fmt: skip
-        except BaseException:
+        except BaseException as error:
+            self.failed = error
             self._finish()
             raise
         finally:
