@@ -85,6 +85,11 @@ class Call:
         return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (-1: it is not)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def _tensor_ids(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> set[int]:
     ids = set()
     for value in (*args, *kwargs.values()):
@@ -157,7 +162,7 @@ class Capture:
         return calls
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if self.paused:
+        if self.paused or _in_backward():  # activation checkpointing re-runs forwards there
             return
         outer = all(frame.kind == "wrapper" for frame in self._stack)
         if not outer:
@@ -177,7 +182,7 @@ class Capture:
         self._stack.append(_Frame("root", module, RngState(), autocast_state()))
 
     def _post(self, module: nn.Module, args: Any, *rest: Any) -> None:
-        if self.paused or not self._stack:
+        if self.paused or not self._stack or _in_backward():
             return
         frame = self._stack.pop()
         if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised

@@ -20,11 +20,11 @@ from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._diagnose import Measured
 from fullbatch._probe._fit import Fit, fit
+from fullbatch._probe._norms import squared
 from fullbatch._probe._objective import resolve
 from fullbatch._probe._recompute import recompute
 from fullbatch._probe._sample import Sampler
 from fullbatch._probe._where import Engine
-from fullbatch._verify._arms import compare
 from fullbatch._verify._hf_check import FLOOR_ULPS
 from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR
 
@@ -137,17 +137,14 @@ def check_window(
     ref_full = [_zeros(p) if r is None else r for p, r in zip(params, ref, strict=True)]
     if sync.world > 1:
         sum_tensors(ref_full, sync.group)
-    ref_norm = math.sqrt(sum(float(r.double().pow(2).sum()) for r in ref_full))
+    ref_norm = math.sqrt(squared(ref_full))  # ‖Σ_rk ∇S_rk‖
     coef = math.prod(c.coef for c in clips)
     if count > 0:
-        torch._foreach_mul_(ref_full, coef / count)
-    names = {id(p): n for c in mine for n, p in c.module.named_parameters()}
-    keys = [names.get(id(p), f"param {i}") for i, p in enumerate(params)]
-    applied_grads = {k: p.grad for k, p in zip(keys, params, strict=True)}
-    _, _, error = compare(dict(zip(keys, ref_full, strict=True)), applied_grads)
-    applied_norm = math.sqrt(
-        sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-    )
+        torch._foreach_mul_(ref_full, coef / count)  # the reference, clipped as the engine did
+    grads = [p.grad for p in params]
+    scaled_sq = squared(ref_full)
+    error = math.sqrt(squared(grads, ref_full) / scaled_sq) if scaled_sq > 0 else math.nan
+    applied_norm = math.sqrt(squared(grads))
     band = math.sqrt(k_total) * float(every[:, 4].max()) / ref_norm if ref_norm > 0 else math.nan
     tol = _tolerance(band, params)
 

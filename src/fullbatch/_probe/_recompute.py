@@ -28,6 +28,7 @@ from torch import nn
 from fullbatch._base._modelstate import _DROPOUT_ATTRIBUTES
 from fullbatch._base._rng import RngState
 from fullbatch._probe._capture import Call
+from fullbatch._probe._norms import squared
 from fullbatch._probe._objective import ObjectiveFn
 from fullbatch._probe._sample import Sampler
 from fullbatch._verify._arms import reverse_rows
@@ -144,50 +145,55 @@ def _band(
     reversed_rows = again is not None
     if again is None:
         again, _ = _run(call, objective, params, 1.0 / divisor)
-    total = 0.0
-    for a, g in zip(again, grads, strict=True):
-        if a is None and g is None:
-            continue
-        a64 = a.double() * divisor if a is not None else None
-        g64 = g.double() if g is not None else None
-        a64 = torch.zeros_like(g64) if a64 is None else a64  # type: ignore[arg-type]
-        g64 = torch.zeros_like(a64) if g64 is None else g64
-        total += float((a64 - g64).pow(2).sum())
-    return math.sqrt(total), reversed_rows
+    return math.sqrt(squared(again, grads, scale=divisor)), reversed_rows
 
 
 def _add(ref: Grads, grads: Grads) -> None:
+    """``ref += grads``; the first gradients are taken over, not copied, where no other
+    parameter's gradient shares their memory (autograd may hand one tensor to several)."""
+    storages = [g.untyped_storage().data_ptr() for g in grads if g is not None]
+    shared = {p for p in storages if storages.count(p) > 1}
     for i, g in enumerate(grads):
         if g is None:
             continue
-        if ref[i] is None:  # a copy: autograd may hand one tensor to several parameters
-            low = g.dtype in (torch.bfloat16, torch.float16)
-            ref[i] = g.to(torch.float32 if low else g.dtype, copy=True)
-        else:
+        if ref[i] is not None:
             ref[i].add_(g)  # type: ignore[union-attr]
+            continue
+        low = g.dtype in (torch.bfloat16, torch.float16)
+        own = not low and g.is_contiguous() and g.untyped_storage().data_ptr() not in shared
+        ref[i] = g if own else g.to(torch.float32 if low else g.dtype, copy=True)
+        grads[i] = None  # the reference holds it now
 
 
 def recompute(
     calls: list[Call], params: list[nn.Parameter], sampler: Sampler, objective: ObjectiveFn
 ) -> Recomputed:
     """Replay ``calls`` (see the module docstring); the model, its buffers, ``.grad`` and the
-    RNG streams are as they were on return."""
+    RNG streams are as they were on return.
+
+    The band's micro-batch (the one with most rows) runs first, before the reference buffer
+    exists, so that at most two gradients are alive at any time: the reference and the one
+    backward just produced.
+    """
     rng = RngState()
     modules = list({id(c.module): c.module for c in calls}.values())
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
     where = {id(p): i for i, p in enumerate(params)}
     pick = [where[id(p)] for p in sampler.params]
     out = Recomputed(ref=[None] * len(params))
-    # The band's micro-batch: the one with most rows (rows reversed: rounding of its own sums).
+    samples: dict[int, torch.Tensor] = {}
+    counts: dict[int, float] = {}
     widest = max(range(len(calls)), key=lambda i: _rows([*calls[i].args, calls[i].kwargs]) or 0)
+    order = [widest, *(i for i in range(len(calls)) if i != widest)]
     banded = False
     try:
         with torch.enable_grad():
-            for index, call in enumerate(calls):
+            for index in order:
+                call = calls[index]
                 grads, count = _run(call, objective, params, 1.0)
-                out.samples.append(sampler.take([grads[j] for j in pick]))
-                out.counts.append(count)
-                if not banded and count > 0 and index >= widest:
+                samples[index] = sampler.take([grads[j] for j in pick])
+                counts[index] = count
+                if not banded and count > 0:
                     divisor = count * len(calls)  # as a per-micro-batch mean over K would be
                     out.band, out.band_rows_reversed = _band(
                         call, objective, params, grads, divisor
@@ -200,4 +206,6 @@ def recompute(
             for buf, saved in buffers:
                 buf.copy_(saved)
         rng.restore()
+    out.samples = [samples[i] for i in range(len(calls))]
+    out.counts = [counts[i] for i in range(len(calls))]
     return out
