@@ -88,8 +88,9 @@ def run(mode: str) -> dict[str, float]:
         times = [train_window(net, opt, d) for d in data]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     grad = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    params = sum(p.numel() for p in net.parameters()) / 1e6
     return {"median_s": statistics.median(times[1:]), "extra_peak_mib": peak - before,
-            "gradient_mib": grad, "params_m": sum(p.numel() for p in net.parameters()) / 1e6}  # fmt: skip
+            "gradient_mib": grad, "params_m": params}  # fmt: skip
 
 
 def main() -> None:

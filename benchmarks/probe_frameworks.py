@@ -39,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import fullbatch as fb
 from fullbatch._demo._corpus import PAD_ID, VOCAB_SIZE, encode_bytes, make_batches, read_corpus
@@ -277,7 +276,8 @@ def trl_sft(exact: bool) -> fb.probe:
 ARMS: list[tuple[str, str, Callable[[], Any], int]] = [
     # (framework, route, run, which window to show: -1 the last)
     ("TRL SFTTrainer, Gemma 4, bs1 x GA8", "stock", lambda: trl_sft(False), 0),
-    ("TRL SFTTrainer, Gemma 4, bs1 x GA8", "fullbatch.trl.ExactSFTTrainer", lambda: trl_sft(True), 0),
+    ("TRL SFTTrainer, Gemma 4, bs1 x GA8", "fullbatch.trl.ExactSFTTrainer",
+     lambda: trl_sft(True), 0),
     ("HF Trainer, BertForMaskedLM", "stock", lambda: hf_trainer(False), 0),
     ("HF Trainer, BertForMaskedLM", "fullbatch.hf.ExactTrainer", lambda: hf_trainer(True), 0),
     ("Lightning accumulate_grad_batches=4", "stock", lambda: lightning(False), 0),
@@ -289,7 +289,8 @@ ARMS: list[tuple[str, str, Callable[[], Any], int]] = [
     ("hand loop, loss / K", "fb.Accumulator", lambda: accumulator(micro_batches(4)), 0),
     ("hand loop, batch_idx % K == 0", "stock", loop_boundary, 0),
     ("hand loop, tail window k/K", "stock", loop_tail, -1),
-    ("hand loop, tail window k/K", "fb.Accumulator", lambda: accumulator(micro_batches(6), windows=2), -1),
+    ("hand loop, tail window k/K", "fb.Accumulator",
+     lambda: accumulator(micro_batches(6), windows=2), -1),
     ("hand loop, no zero_grad before the loop", "stock", loop_no_zero_grad, 0),
 ]  # fmt: skip
 
