@@ -201,3 +201,37 @@ def test_report_text_names_verdict_window_and_fix() -> None:
     assert text.startswith("fullbatch probe: WRONG (1 of 1 windows wrong, a hand-written loop)")
     assert "window 1: WRONG -- 4 micro-batches" in text and "weights: 2.25 0.75" in text
     assert not math.isnan(report.windows[0].band)
+
+
+class _Regressor(torch.nn.Module):
+    """A head called as Hugging Face heads are: ``model(x=..., labels=...)`` -> logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 1).double()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_sample_objective_on_a_regression_target() -> None:
+    """``objective="sample"`` with float labels: squared error summed over rows."""
+    model = _Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    window = [
+        {"x": torch.randn(n, 6, generator=g, dtype=torch.float64),
+         "labels": torch.randn(n, generator=g, dtype=torch.float64)}
+        for n in (1, 4, 3)
+    ]  # fmt: skip
+    with fb.probe(objective="sample", windows=2) as probe:
+        for how in ("global", "mean/K"):
+            for micro in window:
+                err = (model(**micro).squeeze(-1) - micro["labels"]).pow(2)
+                (err.sum() / 8 if how == "global" else err.mean() / 3).backward()
+            opt.step()
+            opt.zero_grad()
+    right, wrong = probe.report.windows
+    assert right.ok and right.objective == "sample" and right.count == 8
+    assert wrong.pattern == "mean of per-micro-batch means"
+    assert wrong.weights == pytest.approx([8 / 3, 8 / 12, 8 / 9], rel=1e-6)

@@ -94,6 +94,7 @@ def test_exact_trainer_passes_with_labels_withheld_from_the_model() -> None:
     assert run["report"].ok, str(run["report"])
     (check,) = run["report"].windows
     assert check.engine == "fullbatch.hf.ExactTrainer" and check.micro_batches == K
+    assert check.objective == "sample"  # inferred from BertForSequenceClassification
     assert _rel(run["grads"], ref) < 1e-10 and check.error < 1e-10
     assert check.weights == pytest.approx([1.0] * K, rel=1e-6)
 
