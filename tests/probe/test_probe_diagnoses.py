@@ -235,3 +235,32 @@ def test_sample_objective_on_a_regression_target() -> None:
     assert right.ok and right.objective == "sample" and right.count == 8
     assert wrong.pattern == "mean of per-micro-batch means"
     assert wrong.weights == pytest.approx([8 / 3, 8 / 12, 8 / 9], rel=1e-6)
+
+
+def test_bfloat16_autocast_is_replayed_and_judged_by_its_band() -> None:
+    """Forwards under ``torch.autocast(bfloat16)`` are replayed under it; the tolerance is the
+    measured band (bfloat16 rounding), not float32's; a micro-batch named ``b`` (no usual name)
+    is found by the identity of the tensor the model received."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"x": torch.randn(n, 16), "y": torch.randint(5, (n,))} for n in (3, 8, 5, 2)]
+
+    def objective(m, micro):
+        return fb.cross_entropy_sum(m(micro["x"]), micro["y"])
+
+    with fb.probe(objective=objective, windows=2) as probe:
+        for how in ("global", "mean/K"):
+            for b in data:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(b["x"])
+                if how == "global":
+                    (fb.cross_entropy_sum(logits, b["y"])[0] / 18).backward()
+                else:
+                    (torch.nn.functional.cross_entropy(logits.float(), b["y"]) / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    right, wrong = probe.report.windows
+    assert right.ok, str(probe.report)
+    assert 1e-4 < right.band < 0.1 and right.error > 1e-5  # bfloat16's rounding, measured
+    assert not wrong.ok and wrong.pattern == "mean of per-micro-batch means"

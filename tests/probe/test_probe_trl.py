@@ -90,7 +90,7 @@ def test_exact_sft_trainer_passes() -> None:
     (check,) = run["report"].windows
     assert check.engine == "fullbatch.trl.ExactSFTTrainer" and check.micro_batches == K
     # TRL's fused LM head computes its log-probabilities in float32 tiles: on this float64 model
-    # the trainer is exact up to float32 rounding; the probe replays that head, as the trainer
-    # called it, so its own comparison is tight.
-    assert check.error <= check.tolerance < 1e-14
+    # the trainer is exact up to float32 rounding; the probe replays that head as the trainer
+    # called it, and its band shows that rounding.
+    assert 1e-9 < check.band < 1e-5 and check.error <= check.tolerance
     assert _rel(run["grads"], _reference(run["start"], run["rows"])) < 1e-6

@@ -194,7 +194,7 @@ def recompute(
                 samples[index] = sampler.take([grads[j] for j in pick])
                 counts[index] = count
                 if not banded and count > 0:
-                    divisor = count * len(calls)  # as a per-micro-batch mean over K would be
+                    divisor = 3.0 * count * len(calls)  # like 1 / N: no power of two
                     out.band, out.band_rows_reversed = _band(
                         call, objective, params, grads, divisor
                     )

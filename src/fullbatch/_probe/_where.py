@@ -49,31 +49,35 @@ def _has_labels(value: Any) -> bool:
 
 
 def find_micro(ids: set[int]) -> Any:
-    """The nearest local ``inputs``/``batch``/``micro`` above the caller that holds one of the
-    objects in ``ids``; one that also has ``labels`` wins over a nearer one without.
+    """The engine's micro-batch around a forward whose inputs are the objects in ``ids``.
+
+    Looked for in the frames above the caller, nearest first: a mapping holding one of them
+    and ``labels`` (under any name) wins; else the nearest ``inputs``/``batch``/``micro`` (or
+    list or tuple under those names) holding one; else the nearest mapping holding one.
 
     >>> import torch
     >>> x = torch.ones(1)
-    >>> batch = {"x": x, "labels": torch.zeros(1)}
-    >>> find_micro({id(x)}) is batch
+    >>> b = {"x": x, "labels": torch.zeros(1)}
+    >>> find_micro({id(x)}) is b
     True
     """
     frame: FrameType | None = sys._getframe(1)
-    first = None
+    named = mapping = None
     looked = 0
     while frame is not None and looked < _DEPTH:
         if not _skipped(frame):
             looked += 1
-            local = frame.f_locals
-            for name in _MICRO_NAMES:
-                value = local.get(name)
-                if value is None or not _holds(value, ids):
+            for name, value in frame.f_locals.items():
+                if not isinstance(value, (Mapping, list, tuple)) or not _holds(value, ids):
                     continue
                 if _has_labels(value):
                     return value
-                first = value if first is None else first
+                if named is None and name in _MICRO_NAMES:
+                    named = value
+                if mapping is None and isinstance(value, Mapping):
+                    mapping = value
         frame = frame.f_back
-    return first
+    return named if named is not None else mapping
 
 
 @dataclass(frozen=True)
