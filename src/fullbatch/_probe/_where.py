@@ -21,6 +21,7 @@ __all__ = ["Engine", "find_engine", "find_micro"]
 
 _MICRO_NAMES = ("inputs", "batch", "micro", "micro_batch", "mb", "data")
 _DEPTH = 24
+_MAX_ITEMS = 256
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -37,6 +38,8 @@ def _skipped(frame: FrameType) -> bool:
 def _holds(value: Any, ids: set[int]) -> bool:
     if id(value) in ids:
         return True
+    if len(value) > _MAX_ITEMS:  # a data set or a table, not a micro-batch
+        return False
     if isinstance(value, Mapping):
         return any(id(v) in ids for v in value.values())
     if isinstance(value, (list, tuple)):
