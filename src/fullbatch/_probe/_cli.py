@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     >>> args.windows, args.training_command
     (2, ['--', 'python', 'train.py', '--lr', '1'])
     """
+    parser.epilog = (
+        "exit status: 0 every probed window is right; 1 a window is wrong, or nothing was "
+        "checked; 2 usage error. Example: fullbatch probe -- python train.py --lr 3e-4"
+    )
     parser.add_argument(
         "--objective",
         default=None,
