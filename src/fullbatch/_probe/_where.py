@@ -139,9 +139,10 @@ def _accumulator(frame: FrameType) -> Engine:
     verdict = frame.f_locals.get("verdict")
     limit = getattr(frame.f_locals.get("engine"), "max_grad_norm", None)
     clip = getattr(verdict, "clip", None)
-    if limit is None or not isinstance(clip, float) or clip >= 1.0:
+    norm = getattr(verdict, "grad_norm", None)
+    if limit is None or not isinstance(clip, float) or clip >= 1.0 or norm is None:
         return Engine("fb.Accumulator", fullbatch=True)
-    return Engine("fb.Accumulator", fullbatch=True, clip=(limit, verdict.grad_norm, clip))
+    return Engine("fb.Accumulator", fullbatch=True, clip=(limit, norm, clip))
 
 
 def find_engine() -> Engine:
