@@ -98,7 +98,7 @@ def test_config_built_model_without_ref_model_is_refused_with_the_fix() -> None:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(OSError, match="[Rr]epo"):  # what a user of stock TRL sees
+        with pytest.raises(OSError, match=r"[Rr]epo"):  # what a user of stock TRL sees
             DPOTrainer(
                 model=tiny_causal_lm("llama"),
                 args=dpo_config(tmp, k=2, batch=1),

@@ -90,7 +90,8 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         moe_aux(
             "ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
         )
-        if given.get("ref_model") is None and not getattr(config, "precompute_ref_log_probs", False):
+        precompute = getattr(config, "precompute_ref_log_probs", False)
+        if given.get("ref_model") is None and not precompute:
             reference(
                 "ExactDPOTrainer",
                 given.get("model"),

@@ -90,7 +90,7 @@ def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:
     if model is None or isinstance(model, str) or peft_config is not None:
         return
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_name_or_path", "") or is_peft_model(model):
+    if config is None or str(getattr(config, "_name_or_path", "")) or is_peft_model(model):
         return
     raise ValueError(
         f"{trainer}: TRL builds the reference model by reloading "
