@@ -6,13 +6,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDPSync
-from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, is_fsdp
 from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
@@ -51,7 +50,7 @@ def make_sync(
     sync: Sync
     if isinstance(model, DistributedDataParallel):
         sync = DDPSync(model, ddp_sync, grad_divisor)
-    elif isinstance(model, FSDPModule):
+    elif is_fsdp(model):
         check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = FSDPSync(model, fsdp_sync, grad_divisor)
     else:
