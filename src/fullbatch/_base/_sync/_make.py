@@ -55,7 +55,17 @@ def make_sync(
         sync = FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        inner = getattr(model, "module", None)
+        if isinstance(inner, DistributedDataParallel) or is_fsdp(inner):
+            kind = "DDP-wrapped" if isinstance(inner, DistributedDataParallel) else "fully_shard'ed"
+            warn(
+                f"the model is a {type(model).__name__} whose .module is {kind}: fullbatch "
+                "controls the gradient sync of the model it is given, so here it would count "
+                "items on this rank only while the inner model synchronizes on its own. Pass "
+                "the inner model: fb.Accumulator(model.module, optimizer, ...), and keep calling "
+                "model(...) if its forward calls model.module."
+            )
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
