@@ -6,13 +6,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDPSync
-from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, is_fsdp
 from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
@@ -51,12 +50,22 @@ def make_sync(
     sync: Sync
     if isinstance(model, DistributedDataParallel):
         sync = DDPSync(model, ddp_sync, grad_divisor)
-    elif isinstance(model, FSDPModule):
+    elif is_fsdp(model):
         check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        inner = getattr(model, "module", None)
+        if isinstance(inner, DistributedDataParallel) or is_fsdp(inner):
+            kind = "DDP-wrapped" if isinstance(inner, DistributedDataParallel) else "fully_shard'ed"
+            warn(
+                f"the model is a {type(model).__name__} whose .module is {kind}: fullbatch "
+                "controls the gradient sync of the model it is given, so here it would count "
+                "items on this rank only while the inner model synchronizes on its own. Pass "
+                "the inner model: fb.Accumulator(model.module, optimizer, ...), and keep calling "
+                "model(...) if its forward calls model.module."
+            )
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
