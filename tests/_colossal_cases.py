@@ -172,7 +172,8 @@ def boosted(rank: int, world: int, route: str) -> dict[str, Any]:
 
 def one_down(rank: int, world: int, kind: str, inner: bool) -> list[str]:
     """Build an Accumulator on a user's wrapper whose ``.module`` is DDP or FSDP2
-    (``inner=False``) or on that inner model (``inner=True``); return the warnings."""
+    (``inner=False``) or on that inner model (``inner=True``); return the warnings, the error
+    (``"raised: ..."``) and, after an error, whether anything was left behind."""
     import warnings
 
     model = make_model()
@@ -192,11 +193,17 @@ def one_down(rank: int, world: int, kind: str, inner: bool) -> list[str]:
             return self.module(x)
 
     outer = Wrapper()
+    opt = make_optimizer(outer.parameters())
+    before = [p.detach().clone() for p in outer.parameters()]
+    out = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fb.Accumulator(
-            outer.module if inner else outer,
-            make_optimizer(outer.parameters()),
-            micro_batches=2,
-        ).close()
-    return [str(w.message) for w in caught]
+        try:
+            fb.Accumulator(outer.module if inner else outer, opt, micro_batches=2).close()
+        except ValueError as error:
+            out.append(f"raised: {error}")
+            unchanged = all(
+                torch.equal(p, q) for p, q in zip(outer.parameters(), before, strict=True)
+            )
+            out.append(f"unchanged: {unchanged and not opt._optimizer_step_pre_hooks}")
+    return [str(w.message) for w in caught] + out

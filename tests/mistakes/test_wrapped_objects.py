@@ -1,6 +1,6 @@
 """Objects that wrap what fullbatch needs: an optimizer that is not a ``torch.optim.Optimizer``
 (refused with its inner optimizer named), a model whose ``.module`` is the DDP or FSDP2 model
-(warned, naming ``model.module``). Each next to its nearest correct form, which stays silent."""
+(refused, naming ``model.module``). Each next to its nearest correct form, which stays silent."""
 
 from __future__ import annotations
 
@@ -58,13 +58,17 @@ def _one_down(kind: str, inner: bool) -> list[str]:
 
 
 @pytest.mark.parametrize(("kind", "what"), [("ddp", "DDP-wrapped"), ("fsdp", "fully_shard'ed")])
-def test_a_wrapper_around_ddp_or_fsdp2_is_warned_with_the_inner_model(kind: str, what: str) -> None:
+def test_a_wrapper_around_ddp_or_fsdp2_is_refused_with_the_inner_model(
+    kind: str, what: str
+) -> None:
     """A user's wrapper whose ``.module`` is the DDP/FSDP2 model: fullbatch would count on one
-    rank and leave the sync to the inner model. The warning names ``model.module``; the
-    generic "neither DDP-wrapped nor fully_shard'ed" one does not fire beside it."""
+    rank and leave the sync to the inner model. The ValueError names ``model.module`` and
+    nothing is left behind; the generic "neither DDP-wrapped nor fully_shard'ed" warning does
+    not fire beside it."""
     warned = _one_down(kind, inner=False)
     ours = [w for w in warned if ".module is" in w]
-    assert len(ours) == 1, warned
+    assert len(ours) == 1 and ours[0].startswith("raised: "), warned
+    assert "unchanged: True" in warned
     assert f"whose .module is {what}" in ours[0]
     assert "fb.Accumulator(model.module, optimizer, ...)" in ours[0]
     assert not [w for w in warned if "neither DDP-wrapped" in w], warned

@@ -40,7 +40,8 @@ def make_sync(
 
     Raises:
         ValueError: an unknown mode, ``"hybrid"`` on a 1-D mesh, a ``process_group`` that is
-            not the wrapper's group, or a ``context_parallel`` group that does not fit.
+            not the wrapper's group, a ``context_parallel`` group that does not fit, or a
+            model whose ``.module`` is the DDP/FSDP2 model (pass ``model.module``).
     """
     _check_mode("ddp_sync", ddp_sync, DDP_SYNC_MODES)
     if fsdp_sync is not None:
@@ -58,12 +59,13 @@ def make_sync(
         inner = getattr(model, "module", None)
         if isinstance(inner, DistributedDataParallel) or is_fsdp(inner):
             kind = "DDP-wrapped" if isinstance(inner, DistributedDataParallel) else "fully_shard'ed"
-            warn(
+            raise ValueError(
                 f"the model is a {type(model).__name__} whose .module is {kind}: fullbatch "
                 "controls the gradient sync of the model it is given, so here it would count "
-                "items on this rank only while the inner model synchronizes on its own. Pass "
-                "the inner model: fb.Accumulator(model.module, optimizer, ...), and keep calling "
-                "model(...) if its forward calls model.module."
+                "items on this rank only while the inner model synchronizes on its own (every "
+                "step wrong when ranks count differently). Pass the inner model: "
+                "fb.Accumulator(model.module, optimizer, ...), and keep calling model(...) if "
+                "its forward calls model.module."
             )
         elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warn(
