@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+# Pages for contributors who write a wing inside the package: they import its private modules
+# as the wings do, and say so at the top.
+CONTRIBUTORS = {"wings.md"}
+PAGES = [
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in CONTRIBUTORS),
+    ROOT / "README.md",
+]
 SCRIPTS = sorted((ROOT / "examples").glob("*.py"))
 
 # Any import statement in a page's text (every fence kind, prose too): `from fullbatch._x`,
@@ -53,6 +59,12 @@ def test_pages_import_no_private_module(page: Path) -> None:
         for m in IMPORT_TEXT.finditer(text)
     ]
     assert lines == [], "use a public name (e.g. fullbatch.testing.tiny_causal_lm)"
+
+
+@pytest.mark.parametrize("name", sorted(CONTRIBUTORS))
+def test_contributor_pages_say_they_use_private_modules(name: str) -> None:
+    head = (ROOT / "docs" / name).read_text(encoding="utf-8")[:1500]
+    assert "For contributors" in head and "private" in head
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
