@@ -235,8 +235,8 @@ def unchanged(acc: fb.Accumulator) -> tuple[Any, ...]:
     [
         ({"world_size": 2}, "world_size=2"),
         ({"rank": 1}, "rank=1"),
-        ({"mode": "micro_batch_size", "window_size": ROWS}, "mode='micro_batch_size'"),
-        ({"window_size": K + 1}, f"window_size={K + 1}"),
+        ({"mode": "micro_batch_size", "window_size": ROWS}, "saved with micro_batch_size=3, "),
+        ({"window_size": K + 1}, f"saved with micro_batches={K + 1}, .* another window"),
         ({"sync": "ddp"}, "sync='ddp'"),
         ({"batchnorm": "window"}, "batchnorm='window'"),
         ({"format": 99}, "format=99"),
@@ -302,8 +302,21 @@ def test_a_loader_that_does_not_match_raises() -> None:
     fresh = build("micro_batch_size")
     for obj, state in zip(fresh, states, strict=True):
         obj.load_state_dict(state)
-    with pytest.raises(RuntimeError, match="only 1 micro-batch"):
+    with pytest.raises(ValueError, match=r"does not start at state\['loader_items'\] = 1"):
         for _window in fresh[3].windows([batch(0, 2)]):  # one micro-batch of 2 rows
+            pass
+
+
+def test_a_loader_that_ends_inside_the_done_micro_batches_raises() -> None:
+    """The right first item, but the loader ends before the micro-batches already done."""
+    states = train(build("micro_batches"), LOADERS["micro_batches"], (1, 2))
+    assert states is not None
+    fresh = build("micro_batches")
+    for obj, state in zip(fresh, states, strict=True):
+        obj.load_state_dict(state)
+    loader = LOADERS["micro_batches"][K : K + 1]
+    with pytest.raises(RuntimeError, match=r"only 1 micro-batch\(es\) but the state was taken"):
+        for _window in fresh[3].windows(loader):
             pass
 
 

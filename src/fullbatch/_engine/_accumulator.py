@@ -290,7 +290,9 @@ class Accumulator:
         stream = self._resume.stream(loader)
         index = 0
         while True:
-            if engine.guard.scheduler_moved():
+            # A loaded scheduler moved legitimately: the window start checks it (every rank).
+            resuming = engine.pending is not None or engine.start_problems
+            if not resuming and engine.guard.scheduler_moved():
                 raise RuntimeError(engine.guard.scheduler_message())
             loader_items = self._resume.taken()
             feed, first_item = self._next_feed(stream)
