@@ -6,7 +6,10 @@ dict); :mod:`fullbatch._engine._resume` puts them together for ``acc.state_dict(
 
 The data a state expects is identified by :func:`item_key`: the fingerprint of the loader item
 at ``loader_items`` (the interrupted window's first item, or the next window's), ``"end"`` when
-the loader had no item left there. A resumed loader whose first item differs is refused.
+the loader had no item left there. A resumed loader whose first item differs is refused. The
+model and the optimizer a state expects are identified by :func:`fingerprints`: integer sums of
+each trained parameter and of its optimizer state (:mod:`fullbatch._engine._resume_check`
+compares them).
 """
 
 from __future__ import annotations
