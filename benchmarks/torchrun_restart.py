@@ -20,6 +20,7 @@ that hung, the median time per launch, and the first error of a launch that fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import signal
@@ -119,21 +120,19 @@ def _launch(folder: Path, nproc: int, kill: bool, share_store: bool) -> tuple[in
         *(["--kill"] if kill else []),
     ]
     begin = time.perf_counter()
-    # Its own session: a launch that hangs is killed with every worker it started.
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return -1, time.perf_counter() - begin, f"hung: killed after {TIMEOUT} s"
+    log = folder / "torchrun.log"
+    with log.open("w") as out:  # a file, not a pipe: a hung worker cannot block the reading
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            # Killing torchrun alone would leave its workers running: kill each one, by pid.
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            return -1, time.perf_counter() - begin, f"hung: killed after {TIMEOUT} s"
+    stderr = log.read_text()
     # In the first attempt the killed rank's peer fails ("Connection closed/reset by peer"), as
     # expected; what matters is what failed after it (the restarted ranks' errors come last).
     expected = ("Connection closed by peer", "Connection reset by peer", "ChildFailedError")
@@ -143,6 +142,23 @@ def _launch(folder: Path, nproc: int, kill: bool, share_store: bool) -> tuple[in
         if "Error:" in line and not any(e in line for e in expected)
     ]
     return proc.returncode, time.perf_counter() - begin, (lines[-1] if lines else "")[:240]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), deepest first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return _descendants_of(pid, parents)
+
+
+def _descendants_of(pid: int, parents: dict[int, list[int]]) -> list[int]:
+    out: list[int] = []
+    for child in parents.get(pid, []):
+        out += [*_descendants_of(child, parents), child]
+    return out
 
 
 def _final(folder: Path) -> Any:

@@ -383,3 +383,14 @@ def test_micro_batch_size_change_inside_a_window_is_refused() -> None:
         acc.load_state_dict(state)
     assert "window_size" not in str(caught.value)
     assert unchanged(acc) == before
+
+
+def test_micro_batches_change_is_refused_even_at_a_window_boundary() -> None:
+    """micro_batches=K is the window: another K is another batch, not a micro-batch size."""
+    states = train(build("micro_batches"), LOADERS["micro_batches"], (1, None))
+    assert states is not None and states[3]["window"] is None
+    model = make_model()
+    acc = fb.Accumulator(model, torch.optim.AdamW(model.parameters()), micro_batches=K + 1)
+    with pytest.raises(ValueError, match=rf"micro_batches={K}, but .* micro_batches={K + 1}"):
+        acc.load_state_dict(states[3])
+    assert unchanged(acc) == (0, 0, None, None)

@@ -34,8 +34,8 @@ shapes), sync kind or ``batchnorm=`` is refused with ``ValueError`` before anyth
 so is one from another micro-batch size inside a window (at a window boundary
 ``micro_batch_size`` / ``micro_batch_tokens`` may change: the windows are the loader's items
 either way, and normalization is over the whole window), or from another ``micro_batches``
-(that is another window). Restored gradients re-arm the loop guard's sentinel: they are fullbatch's
-own, not a stray backward.
+(that is another window). Restored gradients re-arm the loop guard's sentinel: they are
+fullbatch's own, not a stray backward.
 """
 
 from __future__ import annotations
