@@ -10,11 +10,13 @@ rank) with the docs' recipe (docs/checkpointing.md): inside window 1, after its 
 micro-batch, every rank saves the model and optimizer with ``torch.distributed.checkpoint``
 and its own Accumulator state; then the last rank kills itself with SIGKILL. torchrun stops
 the other ranks and starts them all again (``TORCHELASTIC_RESTART_COUNT=1``); they load the
-checkpoint and finish. A run counts as restarted when torchrun exits 0 after the restart;
-as exact when rank 0's final parameters are bitwise those of an uninterrupted run (one
-launch without the kill, first). A launch that has not finished after 120 s is killed and
-counted as hung. Prints one row per setting: restarts that came up, exact results, launches
-that hung, the median time per launch, and the first error of a launch that failed otherwise.
+checkpoint and finish. Per setting, one row: launches whose restart came up (every rank
+finished training after it), exact ones (rank 0's final parameters bitwise those of an
+uninterrupted run: one launch without the kill, first), those where torchrun exited 0, those
+where a rank aborted at interpreter exit after finishing ("terminate called without an active
+exception", a gloo teardown bug: torchrun then reports a failure though the training is done),
+those that hung (killed after 120 s), the median time per launch, and the first error of a
+launch whose restart did not come up.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def _worker(folder: Path, kill: bool) -> None:
         state = torch.load(ckpt / f"acc-rank{rank}.pt", weights_only=True)
         acc.load_state_dict(state)
         start = state["loader_items"]
+        print(f"rank {rank} attempt {attempt}: resumed from item {start}", flush=True)
     for w, window in enumerate(acc.windows(data[start:])):
         for j, micro in enumerate(window):
             window.backward(*fb.cross_entropy_sum(model(micro["x"]), micro["y"]))
@@ -90,11 +93,15 @@ def _worker(folder: Path, kill: bool) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
         window.step()
     flat = torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])
+    print(f"rank {rank} attempt {attempt}: trained, {acc.steps} steps", flush=True)
     if rank == 0:
         buf = io.BytesIO()
         torch.save({"params": flat, "attempt": attempt, "steps": acc.steps}, buf)
         (folder / "final.pt").write_bytes(buf.getvalue())
+    world = dist.get_world_size()
     dist.destroy_process_group()
+    (folder / f"done-{rank}-of-{world}-attempt-{attempt}").touch()
+    print(f"rank {rank} attempt {attempt}: done", flush=True)
 
 
 # -- the launcher ------------------------------------------------------------------------------
@@ -172,6 +179,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--worker", type=Path)
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument(
+        "--setting",
+        choices=["both", "shared", "disabled"],
+        default="both",
+        help="run only torchrun's default (shared store), or only with the variable set to 1",
+    )
+    parser.add_argument("--logs", type=Path, help="keep the torchrun log of each failed launch")
     args = parser.parse_args()
     if args.worker is not None:
         _worker(args.worker, args.kill)
@@ -184,30 +198,45 @@ def main() -> None:
         assert code == 0 and reference is not None, f"the uninterrupted run failed: {error}"
         print(f"torch {torch.__version__}, {args.nproc} gloo ranks, {args.runs} runs per setting")
         print(
-            f"{'TORCH_DISABLE_SHARE_RDZV_TCP_STORE':<36} {'restarted':>10} {'exact':>6} "
-            f"{'hung':>5} {'s/launch':>9}  first error"
+            f"{'TORCH_DISABLE_SHARE_RDZV_TCP_STORE':<34} {'restarted':>9} {'exact':>5} "
+            f"{'exit 0':>6} {'abort@exit':>10} {'hung':>4} {'s/launch':>8}  first error"
         )
-        for share_store in (True, False):
-            up = exact = hung = 0
-            times, errors = [], []
-            for i in range(args.runs):
-                folder = Path(tmp, f"{share_store}-{i}")
-                (folder / "checkpoint").mkdir(parents=True)
-                code, seconds, error = _launch(folder, args.nproc, True, share_store)
-                times.append(seconds)
-                final = _final(folder)
-                restarted = code == 0 and final is not None and final["attempt"] == 1
-                up += restarted
-                exact += restarted and torch.equal(final["params"], reference["params"])
-                hung += code == -1
-                if not restarted and code != -1:
-                    errors.append(f"exit {code}: {error}")
-            setting = "unset (shared store)" if share_store else "1"
-            first = errors[0] if errors else ""
-            print(
-                f"{setting:<36} {f'{up}/{args.runs}':>10} {exact:>6} {hung:>5} "
-                f"{statistics.median(times):>9.1f}  {first}"
-            )
+        settings = {"both": (True, False), "shared": (True,), "disabled": (False,)}
+        for share_store in settings[args.setting]:
+            row = _measure(Path(tmp), args, share_store, reference["params"])
+            print(row)
+
+
+def _measure(tmp: Path, args: Any, share_store: bool, reference: torch.Tensor) -> str:
+    """``args.runs`` launches with one setting, as one row of the table."""
+    up = exact = exit0 = aborted = hung = 0
+    times, errors = [], []
+    name = "shared" if share_store else "disabled"
+    for i in range(args.runs):
+        folder = tmp / f"{name}-{i}"
+        (folder / "checkpoint").mkdir(parents=True)
+        code, seconds, error = _launch(folder, args.nproc, True, share_store)
+        times.append(seconds)
+        final = _final(folder)
+        done = [folder / f"done-{r}-of-{args.nproc}-attempt-1" for r in range(args.nproc)]
+        restarted = all(d.exists() for d in done)  # every rank finished after the restart
+        up += restarted
+        exact += restarted and final is not None and torch.equal(final["params"], reference)
+        exit0 += code == 0
+        hung += code == -1
+        log = (folder / "torchrun.log").read_text()
+        aborted += "terminate called without an active exception" in log
+        if not restarted and code != -1:
+            errors.append(f"exit {code}: {error}")
+        if code != 0 and args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"{name}-{i}.log").write_text(log)
+    setting = "unset (shared store)" if share_store else "1"
+    first = errors[0] if errors else ""
+    return (
+        f"{setting:<34} {f'{up}/{args.runs}':>9} {exact:>5} {exit0:>6} {aborted:>10} {hung:>4} "
+        f"{statistics.median(times):>8.1f}  {first}"
+    )
 
 
 if __name__ == "__main__":
