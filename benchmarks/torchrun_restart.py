@@ -16,13 +16,16 @@ uninterrupted run: one launch without the kill, first), those where torchrun exi
 where a rank aborted at interpreter exit after finishing ("terminate called without an active
 exception", a gloo teardown bug: torchrun then reports a failure though the training is done),
 those that hung (killed after 120 s), the median time per launch, and the first error of a
-launch whose restart did not come up.
+launch whose restart did not come up. Each rank frees the model, optimizer and Accumulator
+(and collects garbage) before ``destroy_process_group()``, as the docs do; ``--no-cleanup``
+destroys the process group while they still hold it, and shows the abort at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import os
 import signal
@@ -43,7 +46,7 @@ TIMEOUT = 120  # seconds per launch (one that restarts takes about 25 s on 2 bus
 # -- the worker (one rank, launched by torchrun) -----------------------------------------------
 
 
-def _worker(folder: Path, kill: bool) -> None:
+def _worker(folder: Path, kill: bool, cleanup: bool) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch import nn
@@ -99,6 +102,9 @@ def _worker(folder: Path, kill: bool) -> None:
         torch.save({"params": flat, "attempt": attempt, "steps": acc.steps}, buf)
         (folder / "final.pt").write_bytes(buf.getvalue())
     world = dist.get_world_size()
+    if cleanup:  # docs/checkpointing.md: free what holds the process group, then destroy it
+        del model, opt, acc, window, micro
+        gc.collect()
     dist.destroy_process_group()
     (folder / f"done-{rank}-of-{world}-attempt-{attempt}").touch()
     print(f"rank {rank} attempt {attempt}: done", flush=True)
@@ -107,7 +113,9 @@ def _worker(folder: Path, kill: bool) -> None:
 # -- the launcher ------------------------------------------------------------------------------
 
 
-def _launch(folder: Path, nproc: int, kill: bool, share_store: bool) -> tuple[int, float, str]:
+def _launch(
+    folder: Path, nproc: int, kill: bool, share_store: bool, cleanup: bool = True
+) -> tuple[int, float, str]:
     env = dict(os.environ)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     if not share_store:
@@ -125,6 +133,7 @@ def _launch(folder: Path, nproc: int, kill: bool, share_store: bool) -> tuple[in
         "--worker",
         str(folder),
         *(["--kill"] if kill else []),
+        *([] if cleanup else ["--no-cleanup"]),
     ]
     begin = time.perf_counter()
     log = folder / "torchrun.log"
@@ -180,6 +189,11 @@ def main() -> None:
     parser.add_argument("--worker", type=Path)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument(
+        "--no-cleanup",
+        action="store_true",
+        help="destroy the process group while FSDP2's model and optimizer still hold it",
+    )
+    parser.add_argument(
         "--setting",
         choices=["both", "shared", "disabled"],
         default="both",
@@ -188,7 +202,7 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="keep the torchrun log of each failed launch")
     args = parser.parse_args()
     if args.worker is not None:
-        _worker(args.worker, args.kill)
+        _worker(args.worker, args.kill, not args.no_cleanup)
         return
     with tempfile.TemporaryDirectory() as tmp:
         reference_dir = Path(tmp, "reference")
@@ -215,7 +229,7 @@ def _measure(tmp: Path, args: Any, share_store: bool, reference: torch.Tensor) -
     for i in range(args.runs):
         folder = tmp / f"{name}-{i}"
         (folder / "checkpoint").mkdir(parents=True)
-        code, seconds, error = _launch(folder, args.nproc, True, share_store)
+        code, seconds, error = _launch(folder, args.nproc, True, share_store, not args.no_cleanup)
         times.append(seconds)
         final = _final(folder)
         done = [folder / f"done-{r}-of-{args.nproc}-attempt-1" for r in range(args.nproc)]

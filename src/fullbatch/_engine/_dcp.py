@@ -45,18 +45,21 @@ def called_by_dcp_init() -> bool:
 
 
 class DcpInitStep:
-    """Recognises DCP's initialisation step (:meth:`allow`) and checks it after the step."""
+    """Recognises DCP's initialisation step (:meth:`allow`) and checks it after the step.
+
+    Holds no reference to the optimizer (its hooks get it): no reference cycle keeps an
+    optimizer, and the process group its state may hold, alive until a garbage collection.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[Any]) -> None:
-        self._optimizer = optimizer
         self._params = params
         self._before: list[torch.Tensor] | None = None
         self._window = 0
         self._handle = optimizer.register_step_post_hook(self._after_step)
 
-    def allow(self, window_index: int) -> bool:
+    def allow(self, optimizer: torch.optim.Optimizer, window_index: int) -> bool:
         """True for DCP's zero-learning-rate step (called from the step pre-hook)."""
-        groups = self._optimizer.param_groups
+        groups = optimizer.param_groups
         if not called_by_dcp_init() or any(float(g.get("lr", 0.0)) != 0.0 for g in groups):
             return False
         self._before = [tensor_sums(p) for p in self._params]

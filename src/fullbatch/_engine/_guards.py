@@ -64,7 +64,8 @@ class LoopGuard:
     # -- optimizer.step ----------------------------------------------------------------------
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.window_open and not self.stepping and not self._dcp.allow(self.window_index):
+        stray = self.window_open and not self.stepping
+        if stray and not self._dcp.allow(optimizer, self.window_index):
             raise RuntimeError(
                 f"optimizer.step() was called inside window {self.window_index}, before "
                 f"window.step(): the gradient is not yet normalized nor complete. {_STEP_FIX}"
