@@ -2,9 +2,10 @@
 
 One tiny all-gather under DDP/FSDP2 (none locally) carries, per rank: its real micro-batches,
 whether its window is full (``partial_window="drop"``), whether it can pad, an estimate of its
-items (the first window's ``c``), whether gradients are present, and its ``counts=`` totals.
-From it every rank decides the same things: the end of the data, a dropped tail, how many
-padding micro-batches each rank runs, ``c`` and ``window.totals``.
+items (the first window's ``c``), whether gradients are present, its resume checks
+(:mod:`fullbatch._engine._resume_check`) and its ``counts=`` totals. From it every rank
+decides the same things: a resume that does not fit (every rank raises), the end of the data,
+a dropped tail, how many padding micro-batches each rank runs, ``c`` and ``window.totals``.
 """
 
 from __future__ import annotations
@@ -16,28 +17,22 @@ import torch
 from fullbatch._base._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
+from fullbatch._engine._resume_check import WIDTH, ResumeCheck
 
-__all__ = ["DataMismatch", "start_window"]
+__all__ = ["start_window"]
 
-# Slots of the window-start all-gather: one row per rank.
-_REAL, _FULL, _CAN_PAD, _HINT, _GRADS, _DATA_OK = range(6)
-
-
-class DataMismatch(ValueError):
-    """Some rank's loader is not where the resumed state expects it (``ranks``)."""
-
-    def __init__(self, ranks: list[int]) -> None:
-        super().__init__(f"rank(s) {ranks} resumed from the wrong loader position")
-        self.ranks = ranks
+# Slots of the window-start all-gather: one row per rank; the resume checks' WIDTH slots follow.
+_REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
+_RESUME = 5
 
 
 def start_window(
-    engine: Engine, feed: Feed, stream: Stream, *, data_ok: bool = True
+    engine: Engine, feed: Feed, stream: Stream, *, resume: ResumeCheck
 ) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
-    ``data_ok``: this rank's first item is the one a resumed state expects; when any rank's is
-    not, every rank raises :class:`DataMismatch` (before anything changes).
+    ``resume``: this rank's resume checks; when any rank's fails, every rank raises
+    :class:`~fullbatch._engine._resume_check.ResumeMismatch` (before anything changes).
 
     Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
     """
@@ -53,15 +48,15 @@ def start_window(
         float(can_pad),
         hint,
         float(grads),
-        float(data_ok),
+        *resume.row(),
     ]
     names = list(engine.counts or {})
     local_totals = _local_totals(engine, real) if engine.counts is not None else []
     table = engine.sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
     rows = table.tolist()
-    wrong = [rank for rank, r in enumerate(rows) if not r[_DATA_OK]]
-    if wrong:
-        raise DataMismatch(wrong)
+    need = _need(engine, rows)
+    have = [int(r[_REAL]) + n for r, n in zip(rows, need, strict=True)]
+    resume.verdict([r[_RESUME : _RESUME + WIDTH] for r in rows], have)
     if not any(r[_REAL] for r in rows):
         return None
     if any(r[_GRADS] for r in rows):
@@ -72,7 +67,7 @@ def start_window(
         )
     if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
         return False
-    _pad(engine, feed, rows, stream)
+    _pad(engine, feed, rows, stream, need)
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
     totals = None
@@ -82,13 +77,20 @@ def start_window(
     return engine.loss_scale, totals
 
 
-def _pad(engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
-    mine = engine.sync.rank
+def _need(engine: Engine, rows: list[list[float]]) -> list[int]:
+    """The padding micro-batches each rank runs in this window."""
     if engine.sync.equal_micro_batches:
-        need = [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-    elif engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
-        need = [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
-    else:
+        return [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
+    if engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
+        return [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
+    return [0 for _ in rows]
+
+
+def _pad(
+    engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream, need: list[int]
+) -> None:
+    mine = engine.sync.rank
+    if not any(need):
         return
     stuck = [
         rank for rank, (n, r) in enumerate(zip(need, rows, strict=True)) if n and not r[_CAN_PAD]
