@@ -394,3 +394,14 @@ def test_micro_batches_change_is_refused_even_at_a_window_boundary() -> None:
     with pytest.raises(ValueError, match=rf"micro_batches={K}, but .* micro_batches={K + 1}"):
         acc.load_state_dict(states[3])
     assert unchanged(acc) == (0, 0, None, None)
+
+
+def test_a_resumed_loader_shorter_than_a_window_is_not_warned_about() -> None:
+    """Resumed inside the partial last window, the loader holds fewer than K items: right for
+    a resume (the loader-length mistake check stays quiet), and bitwise the uninterrupted run."""
+    want, _ = uninterrupted("micro_batches")
+    assert len(LOADERS["micro_batches"]) % K == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = resumed("micro_batches", (3, 1))
+    assert_bitwise(got[0], want)

@@ -304,7 +304,10 @@ class Accumulator:
         """
         self._check_usable()
         check_loader(loader)
-        self._engine.mistakes.loader(loader, micro_batches=self._engine.micro_batches)
+        engine = self._engine
+        engine.mistakes.loader(
+            loader, micro_batches=engine.micro_batches, resuming=engine.pending is not None
+        )
         return Windows(
             self._iterate(loader),
             loader,
