@@ -49,20 +49,20 @@ def open_window(
         check_length(pending["window"], feed)
     data_ok = pending is None or check_position(pending, first_item)
     try:
-        start = start_window(engine, feed, stream, data_ok=data_ok)
+        start = start_window(engine, feed, stream, index=index, data_ok=data_ok)
     except DataMismatch as error:
         assert pending is not None
         raise ValueError(wrong_position(pending, first_item, error.ranks)) from None
-    if not start:
+    if start is None or start is False:
         return start
-    loss_scale, totals = start
     if engine.batchnorm is not None:
         engine.batchnorm.start()
     state = WindowState(
         feed,
         index=index,
-        loss_scale=loss_scale,
-        totals=totals,
+        loss_scale=start.loss_scale,
+        totals=start.totals,
+        grads_at_start=start.grads_at_start,
         stream=stream,
         loader_items=loader_items,
         first_item=first_item,

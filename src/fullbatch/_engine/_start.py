@@ -5,10 +5,21 @@ whether its window is full (``partial_window="drop"``), whether it can pad, an e
 items (the first window's ``c``), whether gradients are present, and its ``counts=`` totals.
 From it every rank decides the same things: the end of the data, a dropped tail, how many
 padding micro-batches each rank runs, ``c`` and ``window.totals``.
+
+Reading the gathered table is a host synchronization when the backend keeps it on an
+accelerator (NCCL); locally and under gloo it is a host tensor. On an accelerator every rank
+reads it when a decision before the first backward needs everyone's row: the first window of
+``acc.windows(loader)`` (a rank with nothing to pad with fails there, on every rank; after it
+every rank can pad), the first ``c``, a loaded state's position check, ``partial_window=
+"drop"``, equal micro-batch counts (FSDP2, DDP's static graph), ``counts=`` (``window.totals``
+are numbers) and "auto". Otherwise only a rank without a real micro-batch reads it (to pad, or
+to end with the others), and the gradients-present refusal waits for the step's one read,
+where every rank raises it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -17,10 +28,17 @@ from fullbatch._base._normalize import check_count, estimate_items, power_of_two
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 
-__all__ = ["DataMismatch", "start_window"]
+__all__ = ["GRADS_PRESENT", "DataMismatch", "Start", "start_window"]
 
-# Slots of the window-start all-gather: one row per rank.
+# Slots of the window-start all-gather: one row per rank; then the counts= totals and the
+# number of bad counts among them.
 _REAL, _FULL, _CAN_PAD, _HINT, _GRADS, _DATA_OK = range(6)
+
+GRADS_PRESENT = (
+    "gradients are already present when a window starts; fullbatch accumulates from zero. "
+    "Call optimizer.zero_grad(set_to_none=True) before the loop, or window.discard() to "
+    "abandon a window."
+)
 
 
 class DataMismatch(ValueError):
@@ -31,16 +49,40 @@ class DataMismatch(ValueError):
         self.ranks = ranks
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What the exchange decided: ``c``, ``window.totals``, and a check left for the step."""
+
+    loss_scale: float
+    totals: dict[str, float] | None
+    grads_at_start: torch.Tensor | None  # ranks holding gradients (None: checked already)
+
+
+def _everyone_reads(engine: Engine, index: int) -> bool:
+    """Whether a decision before the first backward needs every rank's row (see above)."""
+    return (
+        engine.sync.device.type == "cpu"  # locally and under gloo: reading it costs nothing
+        or index == 0
+        or engine.loss_scale is None
+        or engine.pending is not None
+        or engine.partial_window == "drop"
+        or engine.sync.equal_micro_batches
+        or engine.counts is not None
+        or engine.auto is not None
+    )
+
+
 def start_window(
-    engine: Engine, feed: Feed, stream: Stream, *, data_ok: bool = True
-) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
+    engine: Engine, feed: Feed, stream: Stream, *, index: int, data_ok: bool = True
+) -> Start | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
     ``data_ok``: this rank's first item is the one a resumed state expects; when any rank's is
     not, every rank raises :class:`DataMismatch` (before anything changes).
 
-    Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
+    Returns None at the end of the data, False for a dropped window, else :class:`Start`.
     """
+    sync = engine.sync
     real = feed.real
     grads = any(p.grad is not None for p in engine.params)
     # The first window's c comes from an estimate of its items (all ranks together).
@@ -56,30 +98,55 @@ def start_window(
         float(data_ok),
     ]
     names = list(engine.counts or {})
-    local_totals = _local_totals(engine, real) if engine.counts is not None else []
-    table = engine.sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
-    rows = table.tolist()
+    everyone = _everyone_reads(engine, index)
+    if sync.group is None:
+        table = torch.tensor([row], dtype=torch.float64)
+        totals = _local_totals(engine, real).reshape(1, -1) if names else None
+    else:
+        # Host numbers go to the collective's device without waiting (non_blocking); the
+        # counts= totals are already there.
+        mine = torch.tensor(row, dtype=torch.float64).to(sync.device, non_blocking=True)
+        if names:
+            mine = torch.cat([mine, _local_totals(engine, real).to(sync.device, non_blocking=True)])
+        table = sync.all_gather(mine)
+        totals = table[:, len(row) :] if names else None
+        table = table[:, : len(row)]
+        if not everyone and real:
+            # This rank decides nothing now; the others' gradients are checked at the step.
+            assert engine.loss_scale is not None  # else everyone reads
+            return Start(engine.loss_scale, None, table[:, _GRADS].sum())
+    rows = table.tolist()  # the window start's one read (a host tensor locally / on gloo)
     wrong = [rank for rank, r in enumerate(rows) if not r[_DATA_OK]]
     if wrong:
         raise DataMismatch(wrong)
     if not any(r[_REAL] for r in rows):
         return None
-    if any(r[_GRADS] for r in rows):
-        raise RuntimeError(
-            "gradients are already present when a window starts; fullbatch accumulates "
-            "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
-            "window.discard() to abandon a window."
-        )
+    grads_at_start = None
+    if everyone:
+        if any(r[_GRADS] for r in rows):
+            raise RuntimeError(GRADS_PRESENT)
+    else:  # the ranks with data did not read: every rank refuses at the step instead
+        grads_at_start = table[:, _GRADS].sum()
     if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
         return False
     _pad(engine, feed, rows, stream)
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
-    totals = None
-    if engine.counts is not None:
-        sums = table[:, len(row) :].sum(dim=0).tolist()
-        totals = dict(zip(names, sums, strict=True))
-    return engine.loss_scale, totals
+    return Start(engine.loss_scale, _read_totals(names, totals), grads_at_start)
+
+
+def _read_totals(names: list[str], table: torch.Tensor | None) -> dict[str, float] | None:
+    """``window.totals`` from every rank's totals (and bad-count flag): one read."""
+    if table is None:
+        return None
+    *sums, bad = table.sum(dim=0).tolist()
+    if bad:
+        raise ValueError(
+            f"a counts= function returned a negative or non-finite count ({int(bad)} such "
+            "value(s) in this window, over all ranks). A count is the number (or total "
+            "weight) of items a loss sums over: a finite number >= 0."
+        )
+    return dict(zip(names, sums, strict=True))
 
 
 def _pad(engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
@@ -103,12 +170,34 @@ def _pad(engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream) ->
     feed.add_padding(need[mine], make)
 
 
-def _local_totals(engine: Engine, real: list[Any]) -> list[float]:
-    totals = []
+def _local_totals(engine: Engine, real: list[Any]) -> torch.Tensor:
+    """This rank's ``counts=`` totals and its number of bad device counts, one float64 tensor.
+
+    Python numbers and CPU tensors are checked as they come; counts on an accelerator are
+    summed where they live and checked with the totals' one read, never read one by one.
+    """
+    f64 = torch.float64
+    columns: list[float | torch.Tensor] = []
+    on_device: list[torch.Tensor] = []
     for fn in (engine.counts or {}).values():
         total = 0.0
+        found: list[torch.Tensor] = []
         for micro in real:
             value = check_count(fn(micro))
-            total += float(value)
-        totals.append(total)
-    return totals
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            else:
+                total += value
+        if found:
+            where = found[0].device
+            columns.append(torch.stack([v.to(where, f64) for v in found]).sum() + total)
+        else:
+            columns.append(total)
+        on_device += found
+    if not on_device:
+        return torch.tensor([*columns, 0.0], dtype=f64)
+    where = on_device[0].device
+    zero = torch.zeros((), dtype=f64, device=where)
+    values = torch.stack([v.to(where, f64) for v in on_device])
+    bad = (~torch.isfinite(values) | (values < 0)).sum().to(f64)
+    return torch.stack([zero + c if isinstance(c, float) else c.to(where) for c in columns] + [bad])
