@@ -18,8 +18,8 @@ What is counted, with the section of the loop it happened in (``h.section(name)`
   output shape depends on the data (``nonzero``, ``masked_select``, boolean indexing,
   ``unique``, ``repeat_interleave`` without ``output_size``, ``bincount``);
 - ``h2d``: a host tensor copied to the device: ``.to(device)``, ``torch.tensor(...,
-  device=device)``, or a host tensor (not a 0-dim scalar in a pointwise op) used in one op with
-  device tensors (index tensors: an implicit copy). A blocking copy is also a ``read``: CUDA's
+  device=device)``, or a host tensor (not a 0-dim scalar) used in one op with device tensors
+  (index tensors: an implicit copy). A blocking copy is also a ``read``: CUDA's
   ``copy_`` synchronizes the stream for it, ``non_blocking=True`` does not.
 
 Not counted: reads of host tensors (AdamW's step counters, tensors fullbatch builds from Python
@@ -347,9 +347,8 @@ class _Dispatch(TorchDispatchMode):
             ):
                 h.record("read", f"{packet} into a host tensor")
             else:
-                pointwise = torch.Tag.pointwise in func.tags
-                for t in tensors:
-                    if not h.on_device(t) and (t.dim() > 0 or not pointwise):
+                for t in tensors:  # a 0-dim host tensor is a scalar argument, not a copy
+                    if not h.on_device(t) and t.dim() > 0:
                         h.record("h2d", f"host tensor in {packet}")
                         h.record("read", f"blocking copy: host tensor in {packet}")
         out = func(*args, **kwargs)
@@ -378,7 +377,37 @@ def _data_dependent(func: Any, args: Any, kwargs: Any) -> bool:
     return False
 
 
-# -- the loop, counted by section ------------------------------------------------------------
+# -- a model, data, and the loop counted by section --------------------------------------------
+
+
+class TinyLM(nn.Module):
+    """Embedding, a tanh layer and a head: a causal LM in three parameters."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def lm_data(
+    n: int, rows: int = 2, length: int = 6, seed: int = 0, pad: bool = True
+) -> list[dict[str, torch.Tensor]]:
+    """``n`` micro-batches of ``rows`` rows: input_ids, attention_mask (right padding) and
+    labels with -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 32, (rows, length), generator=g)
+        lengths = torch.randint(2 if pad else length, length + 1, (rows,), generator=g)
+        mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+        ids = ids * mask
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
 
 
 def count_windows(

@@ -113,11 +113,12 @@ class Packer:
             )
         order = torch.sort(lengths, descending=True, stable=True).indices
         sizes = self._group(lengths[order].tolist(), width if not right_padded else None)
+        placed = _Placed(order)  # the order goes to each device once, not per micro-batch
         micros, start = [], 0
         for size in sizes:
-            idx = order[start : start + size]
-            keep = width if not right_padded else max(int(lengths[idx].max()), 1)
-            micros.append(_rebuild(item, _take(idx, rows, width, keep)))
+            idx = slice(start, start + size)
+            keep = width if not right_padded else max(int(lengths[order[idx]].max()), 1)
+            micros.append(_rebuild(item, _take(placed, idx, rows, width, keep)))
             start += size
         return micros
 
@@ -173,8 +174,10 @@ class Packer:
         real = value != 0
         counts = real.sum(dim=1)
         width = value.shape[1]
-        right = bool(torch.equal(real, torch.arange(width, device=value.device) < counts[:, None]))
-        return counts.cpu(), width, right
+        right = (real == (torch.arange(width, device=value.device) < counts[:, None])).all()
+        # Lengths and the right-padding check in one read (none for a mask on the host).
+        read = torch.cat([counts, right.reshape(1).to(counts.dtype)]).cpu()
+        return read[:-1], width, bool(read[-1])
 
     def _checked(
         self, value: Any, item: Any, rows: int, what: str
@@ -277,15 +280,30 @@ def _split_rows_of(size: int) -> Callable[[Any], list[Any]]:
     return lambda item: split_rows(item, size)
 
 
+class _Placed:
+    """A window's row order on each device its tensors live on, copied there once."""
+
+    def __init__(self, order: torch.Tensor) -> None:
+        self._on: dict[torch.device, torch.Tensor] = {order.device: order}
+        self._host = order
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on:
+            # The host does not wait for the device queue: the order is a fresh host tensor.
+            self._on[device] = self._host.to(device, non_blocking=True)
+        return self._on[device]
+
+
 def _take(
-    idx: torch.Tensor, rows: int, width: int, keep: int
+    placed: _Placed, idx: slice, rows: int, width: int, keep: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Rows ``idx`` of a rows-first tensor, cut to ``keep`` positions where dim 1 is ``width``."""
+    """Rows ``idx`` (of the window's order) of a rows-first tensor, cut to ``keep`` positions
+    where dim 1 is ``width``."""
 
     def take(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0 or t.shape[0] != rows:
             return t  # count_rows already refused other mismatches
-        i = idx.to(t.device)
+        i = placed.on(t.device)[idx]
         if t.dim() >= 2 and t.shape[1] == width and keep < width:
             return t[i, :keep]
         return t[i]
