@@ -62,7 +62,6 @@ def open_window(
         index=index,
         loss_scale=start.loss_scale,
         totals=start.totals,
-        grads_at_start=start.grads_at_start,
         stream=stream,
         loader_items=loader_items,
         first_item=first_item,

@@ -8,7 +8,7 @@ one all-reduce where they differ per rank, and read back with a single ``tolist(
 
 >>> import torch
 >>> from fullbatch._engine._read import WindowNumbers
->>> WindowNumbers.from_list([3.0, 2.0, 0, 0, 0, 0, 2, 0.25, 4.0, 0, 0.1]).squared_norm(False)
+>>> WindowNumbers.from_list([3.0, 2.0, 0, 0, 0, 0, 2, 0.25, 4.0, 0.1]).squared_norm(False)
 0.015625
 """
 
@@ -25,11 +25,11 @@ from fullbatch._engine._state import WindowState
 
 __all__ = ["WindowNumbers", "pair_discard", "read_numbers"]
 
-# Slots summed over the counting group (the one all-reduce at the step), then the slots that
+# Slots summed over the counting group (the one all-reduce at the step), and the slots that
 # are already the same on every rank (read with them, not reduced).
 _SUMMED = 7
 _LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = range(_SUMMED)
-_LOCAL_SQ, _SCALE, _GRADS_AT_START, _LR = range(_SUMMED, _SUMMED + 4)
+_LOCAL_SQ, _SCALE, _LR = range(3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,6 @@ class WindowNumbers:
     count_calls: float
     local_sq: float  # replicated gradients: this rank's squared norm (scaled)
     scale: float  # the GradScaler's scale (1.0 without one)
-    grads_at_start: float  # ranks that held gradients when the window opened (deferred check)
     lr: float  # a tensor learning rate's value (NaN: the LR is a Python number)
 
     @classmethod
@@ -78,7 +77,7 @@ def read_numbers(
     dtype = accumulation_dtype(device)
     zero = torch.zeros((), dtype=dtype, device=device)
     summed = [zero] * _SUMMED
-    local = [zero] * 4
+    local = [zero] * 3
     loss, counts, bad = state.sums(device, dtype)
     summed[_LOSS] = loss
     summed[_COUNT] = counts + state.count_py
@@ -90,16 +89,14 @@ def read_numbers(
         # Ranks holding the same shard (HSDP replicas) each add their share.
         summed[_SHARD_SQ] = squared_norm(grads, device) / sync.norm_copies
     elif norm and grads:
-        local[0] = squared_norm(grads, device)
+        local[_LOCAL_SQ] = squared_norm(grads, device)
     # The form is agreed over ranks: a rank without micro-batches made no call at all.
     form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
     summed[form_slot] = zero + state.backwards
     scale = _scale_tensor(engine.scaler) if engine.scaler is not None else None
-    local[1] = zero + 1.0 if scale is None else scale.to(device, dtype)
-    if state.grads_at_start is not None:
-        local[2] = state.grads_at_start.to(device, dtype)
+    local[_SCALE] = zero + 1.0 if scale is None else scale.to(device, dtype)
     lr = _lr_tensor(engine)
-    local[3] = zero + float("nan") if lr is None else lr.detach().to(device, dtype)
+    local[_LR] = zero + float("nan") if lr is None else lr.detach().to(device, dtype)
     reduced = torch.stack(summed)
     if sync.group is not None:
         reduced = sync.all_reduce_sum(reduced)

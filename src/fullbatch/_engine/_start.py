@@ -12,9 +12,12 @@ reads it when a decision before the first backward needs everyone's row: the fir
 ``acc.windows(loader)`` (a rank with nothing to pad with fails there, on every rank; after it
 every rank can pad), the first ``c``, a loaded state's position check, ``partial_window=
 "drop"``, equal micro-batch counts (FSDP2, DDP's static graph), ``counts=`` (``window.totals``
-are numbers) and "auto". Otherwise only a rank without a real micro-batch reads it (to pad, or
-to end with the others), and the gradients-present refusal waits for the step's one read,
-where every rank raises it.
+are numbers) and "auto". Otherwise only a rank without a real micro-batch (to pad, or to end
+with the others) or with gradients already present (to refuse them) reads it; the others go on
+without waiting. A mistake on one rank only then fails there first, and the others at their
+next collective (within the process-group timeout), as any rank's error does; the same
+mistake on every rank (the usual case: the same code runs everywhere) fails everywhere when the
+window opens.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from fullbatch._base._normalize import check_count, estimate_items, power_of_two
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 
-__all__ = ["GRADS_PRESENT", "DataMismatch", "Start", "start_window"]
+__all__ = ["DataMismatch", "Start", "start_window"]
 
 # Slots of the window-start all-gather: one row per rank; then the counts= totals and the
 # number of bad counts among them.
 _REAL, _FULL, _CAN_PAD, _HINT, _GRADS, _DATA_OK = range(6)
 
-GRADS_PRESENT = (
+_GRADS_PRESENT = (
     "gradients are already present when a window starts; fullbatch accumulates from zero. "
     "Call optimizer.zero_grad(set_to_none=True) before the loop, or window.discard() to "
     "abandon a window."
@@ -51,11 +54,10 @@ class DataMismatch(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """What the exchange decided: ``c``, ``window.totals``, and a check left for the step."""
+    """What the exchange decided: ``c`` and ``window.totals``."""
 
     loss_scale: float
     totals: dict[str, float] | None
-    grads_at_start: torch.Tensor | None  # ranks holding gradients (None: checked already)
 
 
 def _everyone_reads(engine: Engine, index: int) -> bool:
@@ -98,48 +100,40 @@ def start_window(
         float(data_ok),
     ]
     names = list(engine.counts or {})
-    everyone = _everyone_reads(engine, index)
     if sync.group is None:
-        table = torch.tensor([row], dtype=torch.float64)
-        totals = _local_totals(engine, real).reshape(1, -1) if names else None
+        table = [row + (_local_totals(engine, real).tolist() if names else [])]  # one read
     else:
         # Host numbers go to the collective's device without waiting (non_blocking); the
         # counts= totals are already there.
         mine = torch.tensor(row, dtype=torch.float64).to(sync.device, non_blocking=True)
         if names:
-            mine = torch.cat([mine, _local_totals(engine, real).to(sync.device, non_blocking=True)])
-        table = sync.all_gather(mine)
-        totals = table[:, len(row) :] if names else None
-        table = table[:, : len(row)]
-        if not everyone and real:
-            # This rank decides nothing now; the others' gradients are checked at the step.
+            local = _local_totals(engine, real).to(sync.device, non_blocking=True)
+            mine = torch.cat([mine, local])
+        gathered = sync.all_gather(mine)
+        if real and not grads and not _everyone_reads(engine, index):
             assert engine.loss_scale is not None  # else everyone reads
-            return Start(engine.loss_scale, None, table[:, _GRADS].sum())
-    rows = table.tolist()  # the window start's one read (a host tensor locally / on gloo)
+            return Start(engine.loss_scale, None)  # nothing to decide on this rank
+        table = gathered.tolist()  # the window start's one read (a host tensor on gloo)
+    rows = [r[: len(row)] for r in table]
     wrong = [rank for rank, r in enumerate(rows) if not r[_DATA_OK]]
     if wrong:
         raise DataMismatch(wrong)
     if not any(r[_REAL] for r in rows):
         return None
-    grads_at_start = None
-    if everyone:
-        if any(r[_GRADS] for r in rows):
-            raise RuntimeError(GRADS_PRESENT)
-    else:  # the ranks with data did not read: every rank refuses at the step instead
-        grads_at_start = table[:, _GRADS].sum()
+    if any(r[_GRADS] for r in rows):
+        raise RuntimeError(_GRADS_PRESENT)
     if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
         return False
     _pad(engine, feed, rows, stream)
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
-    return Start(engine.loss_scale, _read_totals(names, totals), grads_at_start)
+    totals = _totals(names, [r[len(row) :] for r in table]) if names else None
+    return Start(engine.loss_scale, totals)
 
 
-def _read_totals(names: list[str], table: torch.Tensor | None) -> dict[str, float] | None:
-    """``window.totals`` from every rank's totals (and bad-count flag): one read."""
-    if table is None:
-        return None
-    *sums, bad = table.sum(dim=0).tolist()
+def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:
+    """``window.totals`` from every rank's totals and bad-count flag."""
+    *sums, bad = [sum(column) for column in zip(*ranks, strict=True)]
     if bad:
         raise ValueError(
             f"a counts= function returned a negative or non-finite count ({int(bad)} such "

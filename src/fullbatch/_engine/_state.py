@@ -58,9 +58,6 @@ class WindowState:
     index: int
     loss_scale: float  # c: every count-form loss is seeded with it
     totals: dict[str, float] | None  # the counts= totals over ranks
-    # Ranks that held gradients when the window opened, a device tensor checked by the
-    # step's one read (None: checked when the window opened).
-    grads_at_start: torch.Tensor | None = None
     stream: Stream | None = None  # the loader's stream ("auto" re-cuts and pads from it)
     loader_items: int = 0  # loader items consumed before this window began
     first_item: Any = None  # the window's first loader item (None: none on this rank)

@@ -17,7 +17,6 @@ from fullbatch._base._verdict import NONFINITE_GRADIENT, WindowTotals, decide
 from fullbatch._engine._core import Engine
 from fullbatch._engine._open import end_window
 from fullbatch._engine._read import WindowNumbers, pair_discard, read_numbers
-from fullbatch._engine._start import GRADS_PRESENT
 from fullbatch._engine._state import Phase, WindowState
 
 __all__ = ["discard_window", "step_window"]
@@ -54,9 +53,6 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
     # norm is a second read, below.
     combined_later = sync.context_group is not None
     numbers = read_numbers(engine, state, grads, norm=not combined_later)
-    if numbers.grads_at_start:
-        end_window(engine, state, Phase.ABANDONED)
-        raise RuntimeError(f"window {state.index}: {GRADS_PRESENT}")
     if numbers.discarded:
         end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(
