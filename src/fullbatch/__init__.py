@@ -1,6 +1,7 @@
 """fullbatch: gradient accumulation that trains exactly like the full batch.
 
-Start with :class:`Accumulator`; prove equivalence on your own model with :func:`verify`.
+Start with :class:`Accumulator`; prove equivalence on your own model with :func:`verify`;
+check any other training code's accumulation with :func:`probe`.
 
 >>> import fullbatch as fb
 >>> fb.Accumulator.__name__, fb.Window.__name__, fb.StepStats.__name__
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from fullbatch._engine._accumulator import Accumulator
     from fullbatch._engine._window import Window
     from fullbatch._pipeline import Pipeline, PipelineLoss
+    from fullbatch._probe import probe
     from fullbatch._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -39,6 +41,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "probe",
     "row_windows",
     "scale_lr",
     "testing",
@@ -56,6 +59,7 @@ _LAZY = {
     "causal_lm_loss": "fullbatch._base._losses",
     "count_tokens": "fullbatch._base._losses",
     "cross_entropy_sum": "fullbatch._base._losses",
+    "probe": "fullbatch._probe",
     "row_windows": "fullbatch._base._rows",
     "scale_lr": "fullbatch._base._lr",
     "testing": "fullbatch.testing",

@@ -1,4 +1,4 @@
-"""The ``fullbatch`` command line: ``fullbatch demo`` and ``fullbatch verify``.
+"""The ``fullbatch`` command line: ``fullbatch demo``, ``fullbatch verify``, ``fullbatch probe``.
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them together, so ``fullbatch --help`` stays fast
@@ -18,6 +18,7 @@ from fullbatch import __version__
 _SUBCOMMANDS = {
     "demo": ("fullbatch._demo", "train a tiny causal LM: full batch vs naive vs fullbatch"),
     "verify": ("fullbatch._verify._cli", "prove fullbatch equals the full batch on your model"),
+    "probe": ("fullbatch._probe._cli", "check a training script's accumulation while it runs"),
 }
 
 

@@ -51,7 +51,7 @@ def test_packed_format_holds_every_real_token_once(tokens: int) -> None:
     batch["step"] = 3  # a non-tensor leaf goes to every micro-batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rows over small budgets: tested below
-        micros = packed(batch, tokens)
+        micros = packed(batch, tokens, token_keys=("input_ids", "labels", "weight"))
     seen: dict[int, int] = {}
     for m in micros:
         assert set(m) == {"input_ids", "labels", "weight", "step", "use_cache"} | PACK_KEYS

@@ -285,7 +285,7 @@ def test_packer_direct_and_empty() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         Packer()
     all_pad = {"attention_mask": torch.zeros(2, 3, dtype=torch.long), "x": torch.ones(2, 3)}
-    micros = Packer(micro_batch_tokens=4)(all_pad)
+    micros = Packer(micro_batch_tokens=4, token_keys=("x",))(all_pad)
     assert [tuple(m["x"].shape) for m in micros] == [(2, 1)]  # never narrower than 1
     assert PAD_ID == 0
 

@@ -1,4 +1,5 @@
-"""``fullbatch --help`` and ``fullbatch verify --help`` import no torch (issue 8, item 8)."""
+"""``fullbatch --help``, ``fullbatch verify --help`` and ``fullbatch probe --help`` import no torch
+(issue 8, item 8)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _PROBE = """
 import sys
 from fullbatch.cli import main
 
-for argv in (["--help"], ["verify", "--help"], ["demo", "--help"], ["--version"]):
+for argv in (["--help"], ["verify", "--help"], ["demo", "--help"], ["probe", "--help"],
+             ["--version"]):
     try:
         main(argv)
     except SystemExit:
@@ -35,10 +37,11 @@ def test_help_imports_no_torch() -> None:
     result = _python("-c", _PROBE)
     assert result.returncode == 0, result.stderr
     assert "usage: fullbatch verify" in result.stdout
+    assert "usage: fullbatch probe" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "TORCH: []"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"], ["probe", "--help"]])
 def test_importtime_of_help_shows_no_torch(argv: list[str]) -> None:
     result = _python("-X", "importtime", "-m", "fullbatch", *argv)
     assert result.returncode == 0, result.stderr

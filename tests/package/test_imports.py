@@ -20,7 +20,7 @@ ROOT = Path(fullbatch.__file__).parent
 
 # Function-local imports keep `fullbatch --help` (and `import fullbatch`) light: the CLI and
 # the wings it starts, whose optional dependencies (transformers, matplotlib, tqdm) load late.
-LAZY_OK = ("fullbatch.cli", "fullbatch._verify", "fullbatch._demo")
+LAZY_OK = ("fullbatch.cli", "fullbatch._verify", "fullbatch._demo", "fullbatch._probe")
 MAX_CODE_LINES = 300
 
 

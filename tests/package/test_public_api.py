@@ -28,6 +28,7 @@ DOCUMENTED = {
     "testing",
     "scale_lr",
     "row_windows",
+    "probe",
 }
 
 
@@ -74,6 +75,17 @@ def test_accumulator_options_are_keyword_only() -> None:
     ):
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     assert sig.parameters["partial_window"].default == "step"
+
+
+def test_probe_signature() -> None:
+    """DESIGN.md part 4: fb.probe(model=None, optimizer=None, *, objective, windows, ranks)."""
+    sig = inspect.signature(fb.probe)
+    assert list(sig.parameters) == ["model", "optimizer", "objective", "windows", "ranks"]
+    kinds = [p.kind for p in sig.parameters.values()]
+    assert kinds[2:] == [inspect.Parameter.KEYWORD_ONLY] * 3
+    defaults = {n: p.default for n, p in sig.parameters.items()}
+    assert defaults == {"model": None, "optimizer": None, "objective": None, "windows": 1,
+                        "ranks": None}  # fmt: skip
 
 
 def test_step_stats_is_a_frozen_dataclass_with_the_documented_fields() -> None:
@@ -132,5 +144,5 @@ def test_cli_help(capsys) -> None:
     code, out = _cli(["--help"], capsys)
     assert code == 0
     assert "usage: fullbatch" in out
-    for sub in ("demo", "verify"):
+    for sub in ("demo", "verify", "probe"):
         assert sub in out

@@ -26,6 +26,34 @@ def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
         )
 
 
+def _check_not_shifted(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse ``logits[:, :-1]`` and ``labels[:, 1:]`` given to a loss that shifts them again.
+
+    Told from the views themselves (strides and storage offsets, no data read): the labels
+    start at column 1 of rows that are at least one column wider, and the logits start at
+    position 0 of rows that are at least one position longer. A model's own logits and a
+    collator's labels are never both such views; ``labels[:, 1:]`` alone would not match
+    ``logits`` in shape.
+    """
+    if labels.dim() < 2 or logits.dim() < 3:
+        return
+    col, row = labels.stride(-1), labels.stride(-2)
+    pos, seq = logits.stride(-2), logits.stride(-3)
+    if col <= 0 or pos <= 0 or row <= 0 or seq <= 0:
+        return
+    labels_cut = row >= (labels.shape[-1] + 1) * col and labels.storage_offset() % row == col
+    logits_cut = seq >= (logits.shape[-2] + 1) * pos and logits.storage_offset() % seq == 0
+    if labels_cut and logits_cut:
+        raise ValueError(
+            "logits and labels are already shifted: the labels start at column 1 of a wider "
+            "tensor (labels[:, 1:]) and the logits stop one position short (logits[:, :-1]), "
+            "and fb.causal_lm_loss shifts them again, so every token would be predicted two "
+            "positions ahead. Pass the unshifted tensors, `fb.causal_lm_loss(logits, labels)`, "
+            "or keep your shift and use `fb.cross_entropy_sum(logits[:, :-1], labels[:, 1:])`, "
+            "which does not shift."
+        )
+
+
 def _check_labels(labels: torch.Tensor, ignore_index: int, shift: bool) -> None:
     """Refuse negative labels other than ``ignore_index`` (checked where it costs no sync).
 
@@ -102,6 +130,7 @@ def cross_entropy_sum(
     """
     _check_labels(labels, ignore_index, shift)
     if shift:
+        _check_not_shifted(logits, labels)
         logits, labels = _shifted(logits, labels)
     _check_shapes(logits, labels)
     dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -118,6 +147,11 @@ def causal_lm_loss(
 
     ``labels`` are aligned with the inputs (as Hugging Face models take them): the shift by one
     happens here. Padding and prompt positions carry ``ignore_index``.
+
+    Raises:
+        ValueError: ``logits[:, :-1]`` and ``labels[:, 1:]`` were passed (shifted twice: use
+            :func:`cross_entropy_sum` for tensors you shifted yourself), or a label is negative
+            and not ``ignore_index``.
 
     >>> import torch, fullbatch as fb
     >>> logits = torch.zeros(1, 3, 5)

@@ -13,9 +13,15 @@ Rules (DESIGN.md, "Contract, part 2"):
   lengths themselves), or ``fn(item) -> 1-D integer tensor``.
 - The window's padded length ``L`` is dimension 1 of the 2-D key; with a callable or a 1-D
   key, dimension 1 of the first tensor leaf with two or more dimensions (``input_ids`` in a
-  tokenizer's output). Every tensor whose dimension 1 is ``L`` is trimmed; other tensors with
-  the row count first follow their rows; 0-dim tensors and non-tensor leaves go unchanged to
-  every micro-batch.
+  tokenizer's output). Only per-token tensors are trimmed: the lengths key and the known
+  token keys (:data:`TOKEN_KEYS`: ``input_ids``, ``labels``, ...), or exactly the keys given
+  as ``token_keys``. Another tensor whose dimension 1 is ``L`` could hold one value per
+  token or per row (a feature vector as wide as the padding by chance): without
+  ``token_keys`` it is refused, naming it, never trimmed on a guess. On the first windows a
+  known key's trimmed columns must hold padding only (one value: the pad id, ``-100``, 0), or
+  it is not aligned with the lengths (a decoder's labels?) and is refused. Other tensors with
+  the row count first follow their rows whole; 0-dim tensors and non-tensor leaves go
+  unchanged to every micro-batch.
 - A window whose mask is not right-padded (not ``1...10...0`` in every row: left padding) is
   regrouped but **not trimmed**: the step stays exact, only the speed-up is lost (warned once).
 - A row longer than the token budget is a micro-batch of its own (warned once).
@@ -23,18 +29,42 @@ Rules (DESIGN.md, "Contract, part 2"):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 
 from fullbatch._base._autosize import AutoSize
 from fullbatch._base._split import collate_rows, count_rows, split_rows
+from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
-__all__ = ["Lengths", "Packer", "make_splitter"]
+__all__ = ["TOKEN_KEYS", "Lengths", "Packer", "make_splitter"]
 
 Lengths = str | Callable[[Any], Any]
+
+#: Keys trimmed with the rows' lengths unless ``token_keys`` names the keys itself: one entry
+#: per token, as tokenizers, collators and TRL give them.
+TOKEN_KEYS = frozenset(
+    {
+        "input_ids", "attention_mask", "labels", "position_ids", "token_type_ids",
+        "special_tokens_mask", "inputs_embeds", "loss_mask", "completion_mask",
+        "assistant_masks",
+    }
+)  # fmt: skip
+#: windows whose trimmed columns are checked to hold padding only (known keys)
+_CONTENT_CHECKS = 2
+
+
+def _named_leaves(batch: Any, name: str | None = None) -> list[tuple[str | None, torch.Tensor]]:
+    """Every tensor leaf with the key of the innermost mapping holding it (None: no key)."""
+    if isinstance(batch, torch.Tensor):
+        return [(name, batch)]
+    if isinstance(batch, Mapping):
+        return [leaf for k, v in batch.items() for leaf in _named_leaves(v, str(k))]
+    if isinstance(batch, (list, tuple)):
+        return [leaf for v in batch for leaf in _named_leaves(v, name)]
+    return []
 
 
 def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
@@ -84,12 +114,15 @@ class Packer:
         micro_batch_size: int | None = None,
         micro_batch_tokens: int | None = None,
         lengths: Lengths = "attention_mask",
+        token_keys: Collection[str] | None = None,
     ) -> None:
         if (micro_batch_size is None) == (micro_batch_tokens is None):
             raise ValueError("Packer needs exactly one of micro_batch_size, micro_batch_tokens.")
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
+        self.token_keys = None if token_keys is None else frozenset(token_keys)
+        self._content_checks = _CONTENT_CHECKS
         self._warned: set[str] = set()
 
     def __call__(self, item: Any) -> list[Any]:
@@ -111,16 +144,48 @@ class Packer:
                 "keeps the step exact but gives up the speed-up. Pad on the right "
                 "(tokenizer.padding_side = 'right') to get it back.",
             )
+        trim: set[int] = set()
+        check: dict[int, str] = {}
+        if right_padded:
+            trim, check = self._per_token(item, rows, width)
+        if self._content_checks > 0:
+            self._content_checks -= 1
+        else:
+            check = {}
         order = torch.sort(lengths, descending=True, stable=True).indices
         sizes = self._group(lengths[order].tolist(), width if not right_padded else None)
-        placed = _Placed(order)  # the order goes to each device once, not per micro-batch
+        placed = RowOrder(order)  # on each device once, not per micro-batch
+        cuts: list[tuple[str, torch.Tensor]] = []
         micros, start = [], 0
         for size in sizes:
             idx = slice(start, start + size)
             keep = width if not right_padded else max(int(lengths[order[idx]].max()), 1)
-            micros.append(_rebuild(item, _take(placed, idx, rows, width, keep)))
+            take = taker(placed, idx, rows, width, keep, trim, check, cuts)
+            micros.append(_rebuild(item, take))
             start += size
+        check_cut(cuts)
         return micros
+
+    def _per_token(self, item: Any, rows: int, width: int) -> tuple[set[int], dict[int, str]]:
+        """Tensors to trim (by id), and those among them whose trimmed columns are checked.
+
+        Raises:
+            ValueError: a tensor whose dimension 1 is the padded length under a key that is
+                neither known nor declared (``token_keys``): per token or per row?
+        """
+        own = self.lengths if isinstance(self.lengths, str) else None
+        trim: set[int] = set()
+        check: dict[int, str] = {}
+        for name, t in _named_leaves(item):
+            if t.dim() < 2 or t.shape[0] != rows or t.shape[1] != width:
+                continue
+            if name is not None and (name == own or name in (self.token_keys or TOKEN_KEYS)):
+                trim.add(id(t))
+                if self.token_keys is None and name not in (own, "position_ids"):
+                    check[id(t)] = name
+            elif self.token_keys is None:
+                raise ValueError(_ambiguous(name, t, width, _keys(item)))
+        return trim, check
 
     def cut(self, item: Any, size: int) -> list[Any]:
         """``self(item)`` with another size: rows (``micro_batch_size``) or a token budget."""
@@ -252,6 +317,7 @@ def make_splitter(
     micro_batch_tokens: int | str | None,
     sort_rows: bool,
     lengths: Lengths,
+    token_keys: Collection[str] | None = None,
 ) -> tuple[Callable[[Any], list[Any]], AutoSize | None]:
     """How the Accumulator cuts a loader item (a window), from checked options.
 
@@ -260,13 +326,13 @@ def make_splitter(
     (both sizes None) ``split`` is never called.
     """
     if micro_batch_tokens is not None:
-        packer = Packer(micro_batch_tokens=1, lengths=lengths)
+        packer = Packer(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
         if micro_batch_tokens == "auto":
             return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
         packer.micro_batch_tokens = int(micro_batch_tokens)
         return packer, None
     if sort_rows:
-        packer = Packer(micro_batch_size=1, lengths=lengths)
+        packer = Packer(micro_batch_size=1, lengths=lengths, token_keys=token_keys)
         if micro_batch_size == "auto":
             return packer, AutoSize(count_rows, packer.cut, kind="rows")
         packer.micro_batch_size = int(micro_batch_size or 1)
@@ -280,32 +346,23 @@ def _split_rows_of(size: int) -> Callable[[Any], list[Any]]:
     return lambda item: split_rows(item, size)
 
 
-class _Placed:
-    """A window's row order on each device its tensors live on, copied there once."""
+def _ambiguous(name: str | None, t: torch.Tensor, width: int, keys: set[str]) -> str:
+    """The message for a tensor as wide as the padding under a key fullbatch does not know."""
+    shown = f"item[{name!r}]" if name is not None else "a tensor without a key"
+    head = (
+        f"fullbatch trims each micro-batch to its longest row, but cannot tell whether "
+        f"{shown} (shape {tuple(t.shape)}) holds one value per token (trim it) or per row "
+        f"(keep it whole): its dimension 1 equals the window's padded length {width}."
+    )
+    if name is None:
+        return f"{head} Yield a dict, so that each tensor has a key, and name the per-token keys."
+    known = [*sorted(TOKEN_KEYS & keys), name]
+    return (
+        f"{head} Name the per-token keys: fb.Accumulator(..., token_keys={tuple(known)!r}) "
+        f"trims {name!r} with the tokens; leave it out of token_keys and it follows its rows "
+        "whole."
+    )
 
-    def __init__(self, order: torch.Tensor) -> None:
-        self._on: dict[torch.device, torch.Tensor] = {order.device: order}
-        self._host = order
 
-    def on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on:
-            # The host does not wait for the device queue: the order is a fresh host tensor.
-            self._on[device] = self._host.to(device, non_blocking=True)
-        return self._on[device]
-
-
-def _take(
-    placed: _Placed, idx: slice, rows: int, width: int, keep: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Rows ``idx`` (of the window's order) of a rows-first tensor, cut to ``keep`` positions
-    where dim 1 is ``width``."""
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] != rows:
-            return t  # count_rows already refused other mismatches
-        i = placed.on(t.device)[idx]
-        if t.dim() >= 2 and t.shape[1] == width and keep < width:
-            return t[i, :keep]
-        return t[i]
-
-    return take
+def _keys(item: Any) -> set[str]:
+    return set(item) if isinstance(item, Mapping) else set()

@@ -31,7 +31,7 @@ from torch import nn
 
 from fullbatch._base._packed import IGNORE
 
-__all__ = ["PackingReport", "check_packed", "repack", "unpack"]
+__all__ = ["PackingReport", "check_packed", "likely_causes", "repack", "unpack"]
 
 Call = Callable[[Any], Any]  # micro -> (loss_sum, count)
 _BUILT = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -275,7 +275,7 @@ def check_packed(
     rows = sum(len(_sizes(m)) for m in multi)
     notes.append(f"checked {len(multi)} packed micro-batch(es) holding {rows} rows")
     passed = error <= tol and (leak is None or leak == 0.0)
-    causes = () if passed else tuple(_causes(model, calls, multi, from_later))
+    causes = () if passed else tuple(likely_causes(model, calls.kwargs, multi, from_later))
     return PackingReport(passed, error, band, tol, leak, causes, tuple(notes))
 
 
@@ -294,9 +294,14 @@ def _cannot(model: nn.Module, error: TypeError) -> PackingReport:
     return PackingReport(False, nan, nan, nan, None, (cause,), ())
 
 
-def _causes(
-    model: nn.Module, calls: _Calls, micros: list[dict[str, Any]], from_later: bool
+def likely_causes(
+    model: nn.Module, kwargs: dict[str, Any] | None, micros: list[dict[str, Any]], from_later: bool
 ) -> list[str]:
+    """Why attention crossed the rows of ``micros``, each cause with its fix.
+
+    ``kwargs``: the keyword arguments of the model call that ran on a packed micro-batch
+    (None: not seen); ``from_later``: a row's loss reached *later* rows (an encoder).
+    """
     if from_later:  # a causal model never lets a row's loss reach later rows, even with a leak
         return [
             "an encoder that ignores position_ids for its mask: a row's loss reaches later "
@@ -304,7 +309,8 @@ def _causes(
             "encoders). It cannot pack; use pack=False (sorted and trimmed rows, exact)."
         ]
     config = _config(model)
-    kwargs = calls.kwargs or {}
+    seen = kwargs is not None
+    kwargs = kwargs or {}
     out = []
     longest = max(int(m["max_length_q"]) for m in micros)
     forward = getattr(getattr(model, "module", model), "forward", None)
@@ -335,7 +341,7 @@ def _causes(
             f"the packed-sequence mask built from position_ids{extra}. Pass no "
             "attention_mask with packed micro-batches (the micro-batch holds none)."
         )
-    if calls.kwargs is not None and "position_ids" not in kwargs and not out:
+    if seen and "position_ids" not in kwargs and not out:
         out.append(
             "position_ids not passed: the model sees one long sequence. Pass "
             "micro['position_ids'] (model(**{k: v for k, v in micro.items() if k != "

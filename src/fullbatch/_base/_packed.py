@@ -17,13 +17,13 @@ cannot follow their tokens into one packed row and are refused with the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from fullbatch._base._autosize import AutoSize
-from fullbatch._base._pack import Lengths, Packer
+from fullbatch._base._pack import TOKEN_KEYS, Lengths, Packer
 from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._warn import warn
 
@@ -91,9 +91,16 @@ class RowPacker:
     ([[-100, 7, 7, -100]], [0, 3, 4])
     """
 
-    def __init__(self, *, micro_batch_tokens: int, lengths: Lengths = "attention_mask") -> None:
+    def __init__(
+        self,
+        *,
+        micro_batch_tokens: int,
+        lengths: Lengths = "attention_mask",
+        token_keys: Collection[str] | None = None,
+    ) -> None:
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
+        self.token_keys = frozenset(TOKEN_KEYS if token_keys is None else token_keys)
         self._reader = Packer(micro_batch_tokens=1, lengths=lengths)
         self._warned: set[str] = set()
 
@@ -179,6 +186,16 @@ class RowPacker:
                     "on the row's tokens), or use pack=False (micro_batch_tokens sorts and "
                     "trims rows, which keeps per-row tensors)."
                 )
+            if key not in self.token_keys:
+                declared = tuple(sorted((self.token_keys & set(item)) | {key}))
+                raise ValueError(
+                    f"pack=True concatenates each row's tokens, but cannot tell whether "
+                    f"item[{key!r}] (shape {tuple(value.shape)}) holds one value per token or "
+                    f"per row: its dimension 1 equals the window's padded length {width}. If "
+                    f"it is per token, name it: fb.Accumulator(..., token_keys={declared!r}); "
+                    "a per-row tensor cannot follow its tokens into one packed row (remove it, "
+                    "or use pack=False)."
+                )
 
     def _build(
         self,
@@ -261,10 +278,10 @@ class _BinMeta:
 
 
 def make_packer(
-    micro_batch_tokens: int | str, lengths: Lengths
+    micro_batch_tokens: int | str, lengths: Lengths, token_keys: Collection[str] | None = None
 ) -> tuple[RowPacker, AutoSize | None]:
     """The Accumulator's splitter for ``pack=True``, and an :class:`AutoSize` for "auto"."""
-    packer = RowPacker(micro_batch_tokens=1, lengths=lengths)
+    packer = RowPacker(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
     if micro_batch_tokens == "auto":
         return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
     packer.micro_batch_tokens = int(micro_batch_tokens)

@@ -68,6 +68,7 @@ def _join(
                 f"row_windows joins batches into one window, but their keys differ: "
                 f"{keys} and {list(piece)}. Give every batch the same keys."
             )
+    _check_left(pieces, keys, left)
     out: dict[str, Any] = {}
     for key in keys:
         values = [piece[key] for piece in pieces]
@@ -82,6 +83,56 @@ def _join(
         else:
             out[key] = first
     return out
+
+
+def _left_padded(mask: Any) -> bool:
+    """A 0/1 mask whose rows are ``0...01...1`` with padding on the left of some row."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point():
+        return False
+    if mask.numel() == 0 or not bool(((mask == 0) | (mask == 1)).all()):
+        return False
+    rising = bool((mask[:, 1:] >= mask[:, :-1]).all())
+    return rising and bool((mask[:, 0] == 0).any()) and bool((mask[:, -1] == 1).all())
+
+
+def _padded_like(value: Any, mask: torch.Tensor) -> bool:
+    """``value`` holds one value (the pad id) wherever ``mask`` is 0: padding, not text."""
+    if not isinstance(value, torch.Tensor) or value.shape[:2] != mask.shape:
+        return False
+    pads = value[mask == 0]
+    return pads.numel() > 0 and bool((pads == pads[:1]).all())
+
+
+def _check_left(pieces: list[dict[str, Any]], keys: list[str], left: Collection[str]) -> None:
+    """Refuse to pad a left-padded key on the right: its rows would have padding on both sides.
+
+    A key counts as left-padded when it is a ``*mask*`` key whose rows are ``0...01...1`` and
+    another key of its shape holds one value (the pad id) wherever it is 0, in some batch; a
+    loss mask over a prompt holds 0s over varied prompt tokens and does not count.
+    """
+    widths = {key: {p[key].shape[1] for p in pieces if _wide(p[key])} for key in keys}
+    for mask_key in [k for k in keys if "mask" in k.lower() and len(widths[k]) > 1]:
+        needed = {mask_key}
+        for piece in pieces:
+            mask = piece[mask_key]
+            if _left_padded(mask):
+                twins = [k for k in keys if k != mask_key and _padded_like(piece[k], mask)]
+                if twins:
+                    needed |= set(twins)
+        if needed == {mask_key} or needed <= set(left):
+            continue
+        missing = sorted(needed - set(left))
+        raise ValueError(
+            f"row_windows joins batches of different widths, and {sorted(needed)} are "
+            f"left-padded (rows of {mask_key!r} start with 0s), but {missing} would be padded "
+            "on the right: the joined rows would have padding on both sides, which shifts "
+            "their positions and the prompt away from its completion. Pass "
+            f"left={tuple(sorted(needed | set(left)))!r}."
+        )
+
+
+def _wide(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 1
 
 
 def _pad(value: torch.Tensor, width: int, fill: float, on_left: bool) -> torch.Tensor:
@@ -114,7 +165,10 @@ def row_windows(
         pad: when a window joins batches whose tensors have different widths (dimension 1,
             e.g. completion lengths), the narrower ones are padded with ``pad[key]``
             (default 0) on the right, ...
-        left: ... or on the left for these keys (left-padded prompts).
+        left: ... or on the left for these keys (left-padded prompts). A ``*mask*`` key
+            whose rows are ``0...01...1`` next to a key holding one pad id where it is 0 is
+            left padding: padding it on the right raises (name it, and the keys padded with
+            it, here).
 
     Returns:
         An iterator of dicts, one per window: give it to ``fb.Accumulator(...,
@@ -122,7 +176,8 @@ def row_windows(
 
     Raises:
         ValueError: ``rows`` is not a positive integer; a batch's tensors and lists disagree
-            on the row count; joined batches have different keys.
+            on the row count; joined batches have different keys; a left-padded mask (and
+            the keys padded with it) would be padded on the right (not in ``left``).
 
     >>> import torch
     >>> gen1 = {"ids": torch.tensor([[1, 1], [2, 2], [3, 3]]), "step": 0}

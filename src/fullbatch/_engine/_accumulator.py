@@ -3,7 +3,7 @@ order at the step); the training loop stays the user's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from fullbatch._engine._open import open_window
 from fullbatch._engine._options import (
     check_options,
     check_packing,
+    check_token_keys,
     check_window_size,
     trained_params,
 )
@@ -64,10 +65,10 @@ class Accumulator:
         lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
             loader item whose nonzero entries per row count the real tokens (default
             ``"attention_mask"``, right padding), or ``fn(item) -> 1-D integer tensor``.
-            Tensors whose dimension 1 is the window's padded length are trimmed; other
-            tensors with rows first follow their rows; other leaves go to every micro-batch.
-            A mask that is not right-padded (left padding) is regrouped but not trimmed
-            (still exact; warned once). A missing key raises ``ValueError``.
+            Per-token tensors are trimmed (see ``token_keys``); other tensors with rows first
+            follow their rows; other leaves go to every micro-batch. A mask that is not
+            right-padded (left padding) is regrouped but not trimmed (still exact; warned
+            once). A missing key raises ``ValueError``.
         pack: with ``micro_batch_tokens=T``: pack each window's rows (right-padded) first-fit-
             decreasing into micro-batches of at most ``T`` real tokens, each one packed row
             (``position_ids`` restarting at every row, each row's first label ``-100``, no
@@ -78,8 +79,16 @@ class Accumulator:
             are refused.
         verify_pack: with ``pack=True``, let :meth:`Window.run` check packing on the first
             window holding a micro-batch of two rows (about one window's cost, once; the plain
-            ``for micro in window`` loop never checks: run ``fb.verify(..., pack=True)``).
-            ``False`` skips it.
+            ``for micro in window`` loop checks the first such micro-batch's own forward
+            before its backward: no row's outputs may depend on another row's tokens).
+            ``False`` skips both.
+        token_keys: with ``micro_batch_tokens`` or ``sort_rows``: the keys holding one value
+            per token, trimmed with the rows (or packed). ``None``: the lengths key and the
+            usual token keys (``input_ids``, ``attention_mask``, ``labels``,
+            ``position_ids``, ``token_type_ids``, ...); another tensor whose dimension 1
+            equals the padded length is refused with ``ValueError`` (one value per token or
+            per row? a guess would cut per-row data). Given: exactly these keys are trimmed;
+            other tensors follow their rows whole.
         scheduler: stepped once per optimizer step (not on skipped windows). An Accelerate
             ``AcceleratedScheduler`` keeps its own rule (``num_processes`` inner steps per
             optimizer step unless ``split_batches``).
@@ -153,19 +162,21 @@ class Accumulator:
         context_parallel: Any = None,
         pack: bool = False,
         verify_pack: bool = True,
+        token_keys: Collection[str] | None = None,
     ) -> None:
         micro_batches, size = check_window_size(
             micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
         )
         tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
+        token_keys = check_token_keys(token_keys, tokens, sort_rows)
         # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
         pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
         split: Callable[[Any], list[Any]]
         if pack:
             assert tokens is not None
-            split, auto = make_packer(tokens, lengths)
+            split, auto = make_packer(tokens, lengths, token_keys)
         else:
-            split, auto = make_splitter(size, tokens, sort_rows, lengths)
+            split, auto = make_splitter(size, tokens, sort_rows, lengths, token_keys)
         if not isinstance(verify_pack, bool):
             raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
         if auto is not None:
@@ -219,7 +230,13 @@ class Accumulator:
             sort_rows=sort_rows,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             stat_device=params[0].device if sync.group is None else sync.device,
-            mistakes=MistakeChecks(optimizer, scheduler=scheduler),
+            mistakes=MistakeChecks(
+                model,
+                optimizer,
+                sync=sync,
+                scheduler=scheduler,
+                micro_batch_size=size if isinstance(size, int) else None,
+            ),
             pack=pack,
             pack_check=FirstWindowCheck() if pack and verify_pack else None,
         )
@@ -277,6 +294,7 @@ class Accumulator:
         """
         self._check_usable()
         check_loader(loader)
+        self._engine.mistakes.loader(loader, micro_batches=self._engine.micro_batches)
         return Windows(
             self._iterate(loader),
             loader,
@@ -286,6 +304,14 @@ class Accumulator:
 
     def _iterate(self, loader: Any) -> Iterator[Window]:
         self._check_usable()
+        guard = self._engine.guard
+        guard.start_iteration()  # another optimizer's step is refused until the windows end
+        try:
+            yield from self._each_window(loader)
+        finally:
+            guard.end_iteration()
+
+    def _each_window(self, loader: Any) -> Iterator[Window]:
         engine = self._engine
         stream = self._resume.stream(loader)
         index = 0
@@ -444,6 +470,7 @@ class Accumulator:
         if engine.batchnorm is not None:
             engine.batchnorm.close()
         engine.guard.close()
+        engine.mistakes.close()
         engine.closed = True
 
     def __enter__(self) -> Accumulator:

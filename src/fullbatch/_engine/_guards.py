@@ -12,14 +12,23 @@ Users migrate by deleting code, and sometimes they miss a line:
   must be the same tensor, unmodified. These calls touch every gradient, so one sentinel is
   enough and the check costs a few attribute reads per micro-batch;
 - a stray ``scheduler.step()`` next to ``scheduler=`` decays the learning rate twice as fast:
-  the scheduler's ``last_epoch`` must not move outside fullbatch.
+  the scheduler's ``last_epoch`` must not move outside fullbatch;
+- an optimizer re-created after the Accumulator was built is not the one fullbatch steps: a
+  step of *another* optimizer over the model's parameters while ``acc.windows(loader)`` is
+  being iterated (inside a window, where it would apply a partial gradient, or between two,
+  where it shows the loop believes it trains with that optimizer) is refused before it changes
+  anything (a global optimizer step pre-hook, registered only during the iteration). Its
+  learning rate, and a scheduler built on it, would never apply. A re-created optimizer that
+  is never stepped cannot be seen: ``stats.lr`` reports the learning rate really used.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["LoopGuard"]
 
@@ -51,11 +60,15 @@ class LoopGuard:
         self.window_open = False
         self.window_index = 0
         self.stepping = False  # fullbatch itself is stepping the optimizer
+        self._iterations = 0  # acc.windows(loader) iterations running now
         self._sentinel: Any = None
         self._sentinel_grad: torch.Tensor | None = None
         self._sentinel_version = 0
         self._epoch = self._scheduler_epoch()
+        self._optimizer = optimizer
+        self._ids = {id(p) for p in params}
         self._handle = optimizer.register_step_pre_hook(self._before_step)
+        self._any_handle: Any = None  # the global hook, while a window is open
 
     # -- optimizer.step ----------------------------------------------------------------------
 
@@ -66,7 +79,48 @@ class LoopGuard:
                 f"window.step(): the gradient is not yet normalized nor complete. {_STEP_FIX}"
             )
 
+    def _before_any_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Any optimizer's step while a window is open: another one over our parameters?"""
+        if self.stepping or optimizer is self._optimizer:
+            return
+        groups = getattr(optimizer, "param_groups", [])
+        if not any(id(p) in self._ids for group in groups for p in group.get("params", [])):
+            return
+        lr = groups[0].get("lr") if groups else None
+        ours = self._optimizer.param_groups[0].get("lr") if self._optimizer.param_groups else None
+        where = "inside" if self.window_open else "after"
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() (lr={lr}) was called {where} window "
+            f"{self.window_index} on an optimizer over the model's parameters that is not the "
+            f"one the Accumulator steps ({type(self._optimizer).__name__}, lr={ours}): an "
+            "optimizer re-created after the Accumulator was built? fullbatch steps only the "
+            "optimizer it was given, so the new one's learning rate (and a scheduler built on "
+            "it) would never apply. Build the Accumulator after the optimizer, "
+            "`fb.Accumulator(model, optimizer, ...)`, and delete the optimizer.step() call: "
+            "window.step() steps it once per window. Nothing was changed."
+        )
+
     # -- zero_grad between backward calls ----------------------------------------------------
+
+    def start_iteration(self) -> None:
+        """``acc.windows(loader)`` began: watch every optimizer's steps until it ends."""
+        self._iterations += 1
+        if self._any_handle is None:
+            # Weakly: an iteration never finished must not keep the model alive.
+            ref = weakref.ref(self)
+
+            def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+                guard = ref()
+                if guard is not None:
+                    guard._before_any_step(optimizer, args, kwargs)
+
+            self._any_handle = register_optimizer_step_pre_hook(hook)
+
+    def end_iteration(self) -> None:
+        self._iterations = max(self._iterations - 1, 0)
+        if self._iterations == 0 and self._any_handle is not None:
+            self._any_handle.remove()
+            self._any_handle = None
 
     def start_window(self, index: int) -> None:
         self.window_open = True
@@ -130,3 +184,5 @@ class LoopGuard:
     def close(self) -> None:
         self._handle.remove()
         self.end_window()
+        self._iterations = 1
+        self.end_iteration()

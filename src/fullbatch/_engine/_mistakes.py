@@ -1,4 +1,4 @@
-"""Migration mistakes that train silently wrong, caught before anything changes (issue 18).
+"""Migration mistakes that train silently wrong, caught before anything changes (issues 18, 26).
 
 Each check looks for a signature that correct code cannot have:
 
@@ -6,44 +6,47 @@ Each check looks for a signature that correct code cannot have:
   *between two backward calls of one window*. Setting the LR for the coming step before the
   first backward or after the last one is fine; a change in between means
   ``scheduler.step()`` runs once per micro-batch, decaying K times too fast.
-- **labels shifted twice**: ``labels[:, t] == input_ids[:, t + 1]`` (labels already shifted)
-  *and* the count is the one a shifting loss (``fb.causal_lm_loss``) gives, not the one of
-  those labels as they are: every token is predicted two positions ahead.
-- **padding counted**: labels counted where ``attention_mask`` is 0 at that position *and*
-  the one before (so neither a shifting nor a non-shifting loss predicts them from a real
-  token), *and* the count includes them: padding labelled with the pad id, not ``-100``.
-- **unshifted count**: labels a copy of ``input_ids`` (a causal LM), counted without the
-  shift: each row's first label, which nothing predicts, is in the count (warned: a loss that
-  reconstructs its own input without shifting would be legitimate).
+- **labels and counts** (:mod:`fullbatch._engine._labels`): labels shifted twice, padding
+  counted (with an ``attention_mask``, or without one from the model's pad id), a count
+  without the causal shift. On the first backward calls of the first window (a mistake in the
+  data pipeline shows in every micro-batch): one host sync per Accumulator.
+- **the same loss backpropagated twice**: the same autograd graph (the loss tensor, or a view
+  of it) passed to ``window.backward`` a second time for one micro-batch, e.g. again with
+  ``count=0``: its gradient would count twice. A second *term* is another graph and passes.
+- **DDP forward through ``ddp.module``** (:mod:`fullbatch._engine._route`, first window).
 - **share without totals**: ``window.backward(share)`` in a window that never read
   ``window.totals``, so the share cannot have been divided by it (warned).
 - **uncollated micro-batch**: with ``micro_batches=K`` a loader item that is a list of per-row
   dicts or tuples is handed to the loop as it is (warned once).
+- **loader and window size that disagree**: with ``micro_batches=K`` a sized loader of fewer
+  than K items (one partial window: whole batches given as micro-batches?); with
+  ``micro_batch_size=M`` a ``DataLoader(batch_size=B)`` with ``B <= M``, or loader items of
+  exactly M rows, one micro-batch per window (a loader of micro-batches: nothing accumulates).
+  Warned once.
 - **optimizer on some parameters**: model parameters that require grad but that the optimizer
   does not hold never train (warned at construction).
 
-The label checks look at the first backward calls of the first window only (a mistake in the
-data pipeline shows in every micro-batch), so they cost one host sync per Accumulator.
-
 Not checked here, because a loss value has no unit: a mean-reduced loss passed with its count
-(``F.cross_entropy(..., reduction="mean")``, n). ``fb.verify``'s additivity check catches it.
+(``F.cross_entropy(..., reduction="mean")``, n), a count in another unit than the loss's sum,
+a share divided by the micro-batch's own count. ``fb.verify`` catches the first and the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch
 from torch import nn
 
-from fullbatch._base._split import _is_row_list
+from fullbatch._base._split import _is_row_list, count_rows
+from fullbatch._base._sync import Sync
 from fullbatch._base._warn import warn
+from fullbatch._engine._labels import label_mistake, pad_token_ids
+from fullbatch._engine._route import ForwardRoute
 
 __all__ = ["MistakeChecks", "warn_untrained"]
-
-#: backward calls (of the first window) whose labels and count are checked
-_LABEL_CHECKS = 2
 
 
 def warn_untrained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -71,6 +74,64 @@ def warn_untrained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     )
 
 
+#: backward calls (of the first window) whose labels and count are checked
+_LABEL_CHECKS = 2
+#: windows whose split is compared with micro_batch_size (a loader of micro-batches)
+_SIZE_CHECKS = 2
+#: autograd nodes that only view their input: a view of a loss is the same loss
+_VIEWS = frozenset(
+    {"ViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "SqueezeBackward0",
+     "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "ExpandBackward0"}
+)  # fmt: skip
+
+
+def _graph(loss: torch.Tensor) -> Any:
+    """The autograd node that makes ``loss``, looking through views (None for a leaf)."""
+    node = loss.grad_fn
+    while node is not None and type(node).__name__ in _VIEWS and node.next_functions:
+        node = node.next_functions[0][0]
+    return node
+
+
+def loader_mistakes(
+    loader: Any, *, micro_batches: int | None, micro_batch_size: int | None
+) -> dict[str, str]:
+    """What the loader's own facts say against the window size: ``{kind: message}``.
+
+    >>> loader_mistakes([1, 2], micro_batches=4, micro_batch_size=None)["items"].split(":")[0]
+    'the loader has 2 item(s) but micro_batches=4'
+    """
+    found = {}
+    length = len(loader) if isinstance(loader, Sized) else None
+    if micro_batches is not None and length is not None and 0 < length < micro_batches:
+        found["items"] = (
+            f"the loader has {length} item(s) but micro_batches={micro_batches}: each loader "
+            "item is one micro-batch, so the whole loader is a single partial window. If "
+            "each loader item is a whole batch (a window), give micro_batch_size=M instead: "
+            "fb.Accumulator(..., micro_batch_size=M) splits every item into micro-batches of "
+            "M rows."
+        )
+    size = getattr(loader, "batch_size", None)
+    if (
+        micro_batch_size is not None
+        and isinstance(loader, torch.utils.data.DataLoader)
+        and isinstance(size, int)
+        and size <= micro_batch_size
+    ):
+        found["size"] = _no_accumulation(f"the DataLoader's batch_size={size}", micro_batch_size)
+    return found
+
+
+def _no_accumulation(what: str, size: int) -> str:
+    return (
+        f"{what} is not larger than micro_batch_size={size}: every loader item becomes a "
+        "window of one micro-batch, so nothing is accumulated (one optimizer step per loader "
+        "item). If the loader yields micro-batches, give micro_batches=K instead (K of them "
+        f"make a window): fb.Accumulator(..., micro_batches=K); micro_batch_size={size} "
+        "splits each loader item, a whole window, into micro-batches of that many rows."
+    )
+
+
 class MistakeChecks:
     """Per-Accumulator state of the checks: what was seen, what was already warned.
 
@@ -79,25 +140,59 @@ class MistakeChecks:
     that method returns is raised by the window after it abandoned itself.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, scheduler: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sync: Sync,
+        scheduler: Any = None,
+        micro_batch_size: int | None = None,
+    ) -> None:
         self._optimizer = optimizer
         self._watch_lr = scheduler is None  # a given scheduler is watched by LoopGuard
         self._label_checks = _LABEL_CHECKS
+        self._pad_ids = pad_token_ids(model)
         self._micro: Any = None
         self._lr_window: Any = None  # the window the learning rates were taken in
         self._lrs: list[Any] | None = None
         self._read_in: Any = None  # the last window whose totals were read
+        self._graphs: list[Any] = []  # autograd nodes backpropagated for this micro-batch
         self._warned: set[str] = set()
+        self._first: Any = None  # a weak reference to the first window (the route hooks' life)
+        self._route: ForwardRoute | None = None
+        inner = getattr(model, "module", None)
+        if sync.kind == "ddp" and not sync.reduce_at_step and isinstance(inner, nn.Module):
+            self._route = ForwardRoute(model, inner)
+        self._size = micro_batch_size
+        self._size_checks = _SIZE_CHECKS if micro_batch_size is not None else 0
+        self._single = 0  # windows of one micro-batch of exactly micro_batch_size rows
+        self._loader_items: int | None = None
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warn(message)
 
-    # -- hooks called by the window ----------------------------------------------------------
+    # -- hooks called by the accumulator and the window ---------------------------------------
 
-    def see(self, micro: Any) -> None:
+    def loader(self, loader: Any, *, micro_batches: int | None) -> None:
+        """``acc.windows(loader)`` was called: check the loader against the window size."""
+        self._loader_items = len(loader) if isinstance(loader, Sized) else None
+        found = loader_mistakes(loader, micro_batches=micro_batches, micro_batch_size=self._size)
+        for key, message in found.items():
+            self._warn_once(key, message)
+
+    def see(self, window: Any, micro: Any) -> None:
         """A micro-batch was yielded: keep it for the label checks, flag an uncollated one."""
+        if self._first is None:
+            self._first = weakref.ref(window)  # weakly: a window holds its loader item
+        elif self._first() is not window and self._route is not None:
+            self._route.close()  # the first window is over: its checks are done
+            self._route = None
+        if self._route is not None:
+            self._route.start_micro_batch()
+        self._graphs.clear()
         self._micro = micro if self._label_checks > 0 else None
         if _is_row_list(micro):
             self._warn_once(
@@ -108,15 +203,51 @@ class MistakeChecks:
                 "e.g. DataCollatorWithPadding), or pass whole windows with micro_batch_size=, "
                 "which collates rows of equal length.",
             )
+        if self._size_checks > 0 and window._state.yielded == 1:
+            self._check_size(window, micro)
+
+    def _check_size(self, window: Any, micro: Any) -> None:
+        """A window of one micro-batch of exactly micro_batch_size rows: micro-batches given?"""
+        self._size_checks -= 1
+        if window.is_padding or len(window) != 1:
+            return
+        try:
+            rows = count_rows(micro)
+        except ValueError:
+            return
+        if rows != self._size:
+            return
+        self._single += 1
+        more = self._loader_items is None or self._loader_items >= 2
+        if more and (self._single >= 2 or self._loader_items is not None):
+            assert self._size is not None
+            self._warn_once("size", _no_accumulation(f"a loader item of {rows} rows", self._size))
 
     def totals_read(self, window: Any) -> None:
         self._read_in = window
 
-    def before_backward(self, window: Any, count: Any) -> Exception | None:
+    def before_backward(self, window: Any, loss: torch.Tensor, count: Any) -> Exception | None:
         """Check one backward call before it changes anything: the error to raise, or None.
 
-        ``window`` is the user's Window (its ``index`` and ``is_padding`` are read).
+        ``window`` is the user's Window (its ``index``, ``is_padding`` and state are read).
         """
+        node = _graph(loss)
+        if node is not None:
+            if any(node is seen for seen in self._graphs):
+                return ValueError(
+                    "the same loss was passed to window.backward twice for this micro-batch "
+                    f"(window {window.index}): its gradient would count twice. Call "
+                    "window.backward once per loss term; a second term over the same items "
+                    "is another tensor, `window.backward(aux_sum, 0)` (with "
+                    "retain_graph=True on the first call when the terms share a graph). "
+                    "Nothing was changed."
+                )
+            self._graphs.append(node)
+        state = window._state
+        if self._route is not None and state.current_backwards == 0:
+            message = self._route.message(state.yielded - 1)
+            if message is not None:
+                return RuntimeError(message)
         error = self._check_lr(window)
         if error is not None:
             return error
@@ -134,10 +265,16 @@ class MistakeChecks:
             self._label_checks -= 1
             micro, self._micro = self._micro, None
             if isinstance(micro, Mapping):
-                message = label_mistake(micro, count)
+                message = label_mistake(micro, count, self._pad_ids)
                 if message is not None:
                     return ValueError(message)
         return None
+
+    def close(self) -> None:
+        if self._route is not None:
+            self._route.close()
+            self._route = None
+        self._graphs.clear()
 
     def _check_lr(self, window: Any) -> Exception | None:
         if not self._watch_lr:
@@ -163,62 +300,3 @@ def _lr(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (id(value), value._version)
     return float(value)
-
-
-def label_mistake(micro: Mapping[str, Any], count: Any) -> str | None:
-    """The message for labels and count that are wrong whatever the loss, else ``None``.
-
-    >>> ids = torch.tensor([[5, 6, 7, 8, 0, 0, 0]])
-    >>> mask = (ids != 0).long()
-    >>> labels = ids.masked_fill(mask == 0, -100)
-    >>> label_mistake({"input_ids": ids, "attention_mask": mask, "labels": labels}, 3) is None
-    True
-    >>> print(label_mistake({"input_ids": ids, "attention_mask": mask, "labels": ids}, 6))
-    labels are counted where attention_mask is 0 ...
-    """
-    labels, ids, mask = micro.get("labels"), micro.get("input_ids"), micro.get("attention_mask")
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.shape[1] < 2:
-        return None
-    if labels.is_floating_point():
-        return None
-    try:
-        n = float(count)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    counted = labels != -100
-    unshifted, shifted = float(counted.sum()), float(counted[:, 1:].sum())
-    masked = float(mask.sum()) if isinstance(mask, torch.Tensor) else None
-    if n not in (unshifted, shifted, masked):
-        return None  # the loss counts something else (another ignore_index, weights, rows)
-    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
-        pad = (mask[:, 1:] == 0) & (mask[:, :-1] == 0)
-        padded = int((counted[:, 1:] & pad).sum())
-        if padded:
-            return (
-                f"labels are counted where attention_mask is 0 ({padded} padding positions "
-                f"in a count of {n:g}; padding labelled with the pad id instead of -100?), so "
-                "the loss trains the model to predict padding. Set "
-                "`labels = input_ids.masked_fill(attention_mask == 0, -100)`, or pass "
-                "ignore_index=pad_id to the loss."
-            )
-    if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape:
-        return None
-    mid = counted[:, :-1]
-    pre_shifted = bool(mid.any()) and bool((labels[:, :-1] == ids[:, 1:])[mid].all())
-    copied = bool((labels == ids)[counted].all())
-    if pre_shifted and not copied and n == shifted != unshifted:
-        return (
-            "labels are already shifted (labels[:, t] == input_ids[:, t + 1]) and the count "
-            f"{n:g} is what a loss that shifts them again counts (fb.causal_lm_loss): every "
-            "token would be predicted two positions ahead. Pass these labels to "
-            "fb.cross_entropy_sum(logits, labels), which does not shift, or pass unshifted "
-            "labels (input_ids with -100 on padding) to fb.causal_lm_loss."
-        )
-    if copied and n in (unshifted, masked) and n != shifted:
-        warn(
-            f"labels are a copy of input_ids but the count {n:g} includes each row's first "
-            f"label, which no position predicts ({shifted:g} after the causal shift; "
-            "attention_mask.sum() is not the count). Pass the count fb.causal_lm_loss "
-            "returns: `loss_sum, n = fb.causal_lm_loss(logits, labels)`."
-        )
-    return None

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_options", "check_packing", "check_window_size", "trained_params"]
+__all__ = [
+    "check_options",
+    "check_packing",
+    "check_token_keys",
+    "check_window_size",
+    "trained_params",
+]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -118,6 +124,25 @@ def check_packing(
     if micro_batch_tokens is None or micro_batch_tokens == "auto":
         return micro_batch_tokens
     return _positive_int("micro_batch_tokens", micro_batch_tokens)
+
+
+def check_token_keys(
+    token_keys: Any, micro_batch_tokens: Any, sort_rows: bool
+) -> frozenset[str] | None:
+    """``token_keys``: None, or the names of the per-token keys (trimmed or packed)."""
+    if token_keys is None:
+        return None
+    if isinstance(token_keys, str) or not all(isinstance(k, str) for k in token_keys):
+        raise ValueError(
+            f"token_keys must be a collection of key names, e.g. ('input_ids', "
+            f"'attention_mask', 'labels'), got {token_keys!r}."
+        )
+    if micro_batch_tokens is None and not sort_rows:
+        raise ValueError(
+            f"token_keys={tuple(token_keys)!r} names the per-token tensors that are trimmed "
+            "or packed: give micro_batch_tokens=T, or micro_batch_size=M with sort_rows=True."
+        )
+    return frozenset(token_keys)
 
 
 def check_options(

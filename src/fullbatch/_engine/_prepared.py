@@ -77,6 +77,7 @@ class Prepared:
         self.watched_scheduler = scheduler
         while _accelerate(self.watched_scheduler, "AcceleratedScheduler"):
             self.watched_scheduler = self.watched_scheduler.scheduler
+        _check_scheduled(self.watched_scheduler, optimizer)
 
     def step_message(self, index: int) -> str | None:
         """Why the window must not step, if Accelerate's accumulation state says so."""
@@ -92,6 +93,41 @@ class Prepared:
             "accumulate() context and build the Accelerator with gradient_accumulation_steps=1 "
             "(the default): fullbatch's windows do the accumulation."
         )
+
+
+def _check_scheduled(scheduler: Any, optimizer: Any) -> None:
+    """Refuse a scheduler whose optimizer is not the one fullbatch steps (a re-created one).
+
+    A wrapper that shares its param groups with the optimizer (Accelerate's, Lookahead-style)
+    is the same optimizer for this purpose.
+
+    >>> import torch
+    >>> w = [torch.nn.Parameter(torch.zeros(1))]
+    >>> old, new = torch.optim.SGD(w, lr=0.1), torch.optim.SGD(w, lr=0.2)
+    >>> _check_scheduled(torch.optim.lr_scheduler.StepLR(old, 1), old)
+    >>> try:
+    ...     _check_scheduled(torch.optim.lr_scheduler.StepLR(old, 1), new)
+    ... except ValueError as error:
+    ...     print(str(error).split(" than")[0])
+    scheduler= changes the learning rate of another optimizer (SGD, lr=0.1)
+    """
+    scheduled = getattr(scheduler, "optimizer", None)
+    groups = getattr(scheduled, "param_groups", None)
+    if scheduled is None or scheduled is optimizer or not isinstance(groups, list):
+        return
+    ours = {id(group) for group in optimizer.param_groups}
+    if any(id(group) in ours for group in groups):
+        return
+    theirs = groups[0].get("lr") if groups else None
+    mine = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    raise ValueError(
+        f"scheduler= changes the learning rate of another optimizer "
+        f"({type(scheduled).__name__}, lr={theirs}) than the one the Accumulator steps "
+        f"({type(optimizer).__name__}, lr={mine}): its schedule would never apply (an "
+        "optimizer re-created after the scheduler or the Accumulator?). Build the scheduler "
+        "on the optimizer you pass, e.g. `scheduler = torch.optim.lr_scheduler.LambdaLR("
+        "optimizer, ...)`, then `fb.Accumulator(model, optimizer, scheduler=scheduler, ...)`."
+    )
 
 
 def _rows(loader: Any, shard: Any) -> int | None:

@@ -88,7 +88,10 @@ class Window:
         micro, self._state.current_final, self._state.current_padding = item
         self._state.current_backwards = 0
         self._state.yielded += 1
-        self._engine.mistakes.see(micro)
+        self._engine.mistakes.see(self, micro)
+        check = self._engine.pack_check
+        if check is not None and check.pending and not self._state.by_run:
+            check.see(self, micro)  # pack=True in the plain loop: its forward is watched
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
         self._engine.sync.begin(self._state.current_final)
         return micro
@@ -184,7 +187,10 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
-        error = self._engine.mistakes.before_backward(self, count)
+        check = self._engine.pack_check
+        if check is not None and check.watch is not None and self._state.current_backwards == 0:
+            check.before_backward(self)  # raises (window abandoned) when packed rows leak
+        error = self._engine.mistakes.before_backward(self, loss, count)
         if error is not None:  # a migration mistake (_mistakes.py), caught before backward
             abandon_locally(self)
             raise error

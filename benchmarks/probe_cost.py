@@ -1,0 +1,127 @@
+"""What ``fb.probe`` costs: time and peak memory of a probed window vs an unprobed one.
+
+    PYTHONPATH=src python benchmarks/probe_cost.py          # about 2 minutes on 2 CPU cores
+
+A Llama built from a config (hidden 256, 4 layers, vocabulary 4096: 5.3M float32 parameters,
+21 MiB of gradient), windows of K=8 micro-batches of 4 rows x 128 tokens, a hand-written loop
+(``loss_sum / N``, SGD). Three runs, each in a fresh process with this interpreter:
+
+- **unprobed**: 6 windows;
+- **probed**: 6 windows, all probed (``fb.probe(objective="causal_lm", windows=6)``);
+- **after**: 1 probed window, then 5 unprobed ones with the probe's hooks gone.
+
+Per run: the median time of windows 2-6 (the first warms up), and the process's peak resident
+memory (``ru_maxrss``) minus its resident memory before the first window. The probe's extra
+work per window is one forward and backward per micro-batch, one more for the rounding band,
+the gradient-sized reference buffer, and 16384 sampled float64 coordinates per micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import fullbatch as fb
+
+K, ROWS, TOKENS, WINDOWS = 8, 4, 128, 6
+
+
+def model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=TOKENS,
+        tie_word_embeddings=False, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).train()
+
+
+def window_data(w: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(w)
+    out = []
+    for _ in range(K):
+        ids = torch.randint(4096, (ROWS, TOKENS), generator=g)
+        lengths = torch.randint(TOKENS // 4, TOKENS + 1, (ROWS,), generator=g)
+        labels = ids.masked_fill(torch.arange(TOKENS) >= lengths[:, None], -100)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def train_window(net: torch.nn.Module, opt: torch.optim.Optimizer, data: list[dict]) -> float:
+    start = time.perf_counter()
+    total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in data)
+    for micro in data:
+        loss_sum, _ = fb.causal_lm_loss(net(input_ids=micro["input_ids"]).logits, micro["labels"])
+        (loss_sum / total).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run(mode: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    data = [window_data(w) for w in range(WINDOWS)]
+    before = rss_mib()
+    probed = {"unprobed": 0, "probed": WINDOWS, "after": 1}[mode]
+    times = []
+    if probed:
+        with fb.probe(objective="causal_lm", windows=probed) as probe:
+            times = [train_window(net, opt, d) for d in data]
+        assert len(probe.report.windows) == probed and probe.report.ok, str(probe.report)
+    else:
+        times = [train_window(net, opt, d) for d in data]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    grad = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
+    params = sum(p.numel() for p in net.parameters()) / 1e6
+    return {"median_s": statistics.median(times[1:]), "extra_peak_mib": peak - before,
+            "gradient_mib": grad, "params_m": params}  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        print(json.dumps(run(sys.argv[1])))
+        return
+    results = {}
+    for mode in ("unprobed", "probed", "after"):
+        out = subprocess.run(
+            [sys.executable, __file__, mode], capture_output=True, text=True, check=True
+        )
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = results["unprobed"]
+    print(
+        f"{base['params_m']:.1f}M float32 parameters ({base['gradient_mib']:.0f} MiB of gradient), "
+        f"windows of {K} micro-batches of {ROWS}x{TOKENS} tokens, 1 thread"
+    )
+    print(
+        f"{'run':<10} {'window (median)':>16} {'vs unprobed':>12} {'peak memory above start':>25}"
+    )
+    for mode, r in results.items():
+        print(
+            f"{mode:<10} {r['median_s']:>14.3f} s {r['median_s'] / base['median_s']:>11.2f}x "
+            f"{r['extra_peak_mib']:>20.0f} MiB"
+        )
+    extra = results["probed"]["extra_peak_mib"] - base["extra_peak_mib"]
+    print(
+        f"the probe's extra peak: {extra:.0f} MiB = {extra / base['gradient_mib']:.2f} x the "
+        "gradient's size"
+    )
+
+
+if __name__ == "__main__":
+    main()

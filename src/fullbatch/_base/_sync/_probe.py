@@ -1,0 +1,87 @@
+"""What the probe asks of ``torch.distributed``: which wrapper a module runs under, and the
+ranks whose micro-batches make one probed window.
+
+The probe (``fullbatch._probe``) never imports ``torch.distributed`` itself: it asks here whether
+a module is a DDP wrapper (transparent: its inner module is what runs), an engine that keeps
+gradients outside ``.grad`` (refused by name), and for the :class:`Sync` whose collectives sum
+the window over its ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from fullbatch._base._sync._base import Sync, sum_tensors
+
+__all__ = ["is_ddp", "probe_sync", "sum_tensors", "unsupported_wrapper"]
+
+# Engines whose gradients are not the parameters' ``.grad`` when ``step()`` is called, by the
+# class name of their model wrapper (none of them is imported here).
+_OUTSIDE_GRAD = {
+    "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel) keeps gradients in flat "
+    "parameters, not in each parameter's .grad",
+    "DeepSpeedEngine": "DeepSpeed keeps gradients in its own buffers (ZeRO partitions), not in "
+    "each parameter's .grad",
+    "GeminiDDP": "ColossalAI Gemini keeps gradients in its chunks, not in each parameter's .grad",
+    "LowLevelZeroModel": "ColossalAI ZeRO keeps gradients in its own buckets, not in each "
+    "parameter's .grad",
+}
+
+
+def is_ddp(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``DistributedDataParallel`` wrapper.
+
+    >>> is_ddp(nn.Linear(1, 1))
+    False
+    """
+    return isinstance(module, DistributedDataParallel)
+
+
+def unsupported_wrapper(module: nn.Module) -> str | None:
+    """Why the probe cannot check a model wrapped by ``module``, or ``None`` when it can.
+
+    >>> unsupported_wrapper(nn.Linear(1, 1)) is None
+    True
+    """
+    if isinstance(module, FSDPModule):
+        return (
+            "FSDP2 (fully_shard) shards gradients as DTensors and reduce-scatters them in "
+            "backward hooks, which the probe's own backward would trigger"
+        )
+    for cls in type(module).__mro__:
+        if cls.__name__ in _OUTSIDE_GRAD:
+            return _OUTSIDE_GRAD[cls.__name__]
+    return None
+
+
+def probe_sync(wrapper: nn.Module | None, ranks: Any) -> Sync:
+    """The :class:`Sync` over the ranks whose micro-batches make one window.
+
+    ``ranks="local"``: this process alone. A process group: that group. ``None``: the DDP
+    wrapper's group when the model ran under one; else the default group when one is
+    initialized with more than one rank (a hand loop that all-reduces gradients itself); else
+    this process alone.
+
+    >>> probe_sync(None, None).world
+    1
+    """
+    sync = Sync(wrapper if wrapper is not None else nn.Module())
+    if isinstance(ranks, str):
+        if ranks != "local":
+            raise ValueError(
+                f"ranks={ranks!r}: pass None (inferred), 'local' (this process alone) or a "
+                "torch.distributed process group."
+            )
+        return sync
+    if ranks is not None:
+        sync.group = ranks
+    elif wrapper is not None and is_ddp(wrapper):
+        sync.group = wrapper.process_group
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sync.group = dist.group.WORLD
+    return sync

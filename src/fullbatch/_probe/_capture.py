@@ -1,0 +1,205 @@
+"""Record every micro-batch the model runs: its inputs, and the RNG and autocast state before it.
+
+A *call* is one forward of the outermost module that runs with gradients enabled (DDP and the
+Lightning/Fabric wrappers are looked through: the module inside them is what ran, and the DDP
+wrapper is kept for its process group). With no model given, global forward hooks find it;
+with one, hooks on that module alone. The hooks only read: the inputs are kept by reference
+(containers copied), the RNG state is copied, nothing is written to the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+from fullbatch._base._rng import RngState
+from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
+from fullbatch._probe._where import find_micro
+
+__all__ = ["Call", "Capture", "autocast_state"]
+
+#: Wrappers whose forward only hands the inputs to the module inside them.
+_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel")
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions in force: ``(device type, dtype)`` for each enabled one.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_state()
+    (('cpu', torch.bfloat16),)
+    """
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@dataclass
+class Call:
+    """One micro-batch as the model ran it.
+
+    Attributes:
+        module: the module that ran (wrappers looked through).
+        wrapper: the DDP wrapper it ran under, or None.
+        args, kwargs: its inputs (tensors by reference).
+        rng: the RNG state just before its forward (dropout replays from it).
+        autocast: the autocast regions its forward ran in.
+        micro: the engine's own micro-batch around the call (the trainer's ``inputs``, a
+            Lightning ``batch``, a loop's ``micro``), found by identity of the tensors the model
+            received; None when not found.
+    """
+
+    module: nn.Module
+    wrapper: nn.Module | None
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: RngState
+    autocast: tuple[tuple[str, torch.dtype], ...]
+    micro: Any = None
+
+    def labels(self) -> tuple[torch.Tensor | None, bool]:
+        """``(labels, already shifted)`` from the model's inputs or the engine's micro-batch."""
+        for source in (self.kwargs, self.micro if isinstance(self.micro, Mapping) else {}):
+            if isinstance(source.get("shift_labels"), torch.Tensor):
+                return source["shift_labels"], True
+            if isinstance(source.get("labels"), torch.Tensor):
+                return source["labels"], False
+        return None, False
+
+    def user_micro(self) -> Any:
+        """What an objective ``fn(model, micro)`` receives: the engine's micro-batch when found,
+        else the model's keyword inputs (or its one positional input)."""
+        if self.micro is not None:
+            return self.micro
+        if len(self.args) == 1 and not self.kwargs:
+            return self.args[0]
+        return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (-1: it is not)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _tensor_ids(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> set[int]:
+    ids = set()
+    for value in (*args, *kwargs.values()):
+        ids.add(id(value))
+        if isinstance(value, Mapping):
+            ids.update(id(v) for v in value.values() if isinstance(v, torch.Tensor))
+    return ids
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+@dataclass
+class _Frame:
+    kind: str  # "root", "wrapper", "inner"
+    module: nn.Module
+    rng: RngState | None = None
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
+
+
+@dataclass
+class Capture:
+    """Forward hooks that append a :class:`Call` per root forward to ``calls``.
+
+    ``on_first(call)`` runs at the first call of a window (before it is recorded), so the
+    gradients present before the window's first backward can be looked at.
+    """
+
+    model: nn.Module | None
+    on_first: Callable[[nn.Module], None]
+    calls: list[Call] = field(default_factory=list)
+    unsupported: str | None = None
+    paused: bool = False
+    _stack: list[_Frame] = field(default_factory=list)
+    _handles: list[RemovableHandle] = field(default_factory=list)
+    _wrapper: nn.Module | None = None  # an explicit model's DDP wrapper
+
+    def start(self) -> None:
+        if self.model is None:
+            self._handles = [
+                module_hooks.register_module_forward_pre_hook(self._pre),
+                module_hooks.register_module_forward_hook(
+                    self._post, with_kwargs=True, always_call=True
+                ),
+            ]
+            return
+        target: Any = self.model
+        while is_ddp(target) or type(target).__name__ in _TRANSPARENT:
+            self._wrapper = target if is_ddp(target) else self._wrapper
+            target = getattr(target, "module", None) or target._forward_module
+        self._handles = [
+            target.register_forward_pre_hook(self._pre),
+            target.register_forward_hook(self._post, with_kwargs=True, always_call=True),
+        ]
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack.clear()
+
+    def take(self) -> list[Call]:
+        """The calls of the window that ends now; the next window starts empty."""
+        calls, self.calls = self.calls, []
+        return calls
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.paused or _in_backward():  # activation checkpointing re-runs forwards there
+            return
+        outer = all(frame.kind == "wrapper" for frame in self._stack)
+        if not outer:
+            self._stack.append(_Frame("inner", module))
+            return
+        why = unsupported_wrapper(module)
+        if why is not None and torch.is_grad_enabled():
+            self.unsupported = self.unsupported or why
+        if is_ddp(module) or type(module).__name__ in _TRANSPARENT:
+            self._stack.append(_Frame("wrapper", module))
+            return
+        if not torch.is_grad_enabled():
+            self._stack.append(_Frame("inner", module))
+            return
+        if not self.calls:
+            self.on_first(module)
+        self._stack.append(_Frame("root", module, RngState(), autocast_state()))
+
+    def _post(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        if self.paused or not self._stack or _in_backward():
+            return
+        frame = self._stack.pop()
+        if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised
+            return
+        kwargs, _ = rest
+        assert frame.rng is not None
+        ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
+        wrapper = next(ddp, self._wrapper)
+        micro = find_micro(_tensor_ids(args, kwargs))
+        self.calls.append(
+            Call(
+                module=module,
+                wrapper=wrapper,
+                args=tuple(_copied(a) for a in args),
+                kwargs=dict(kwargs),
+                rng=frame.rng,
+                autocast=frame.autocast,
+                micro=_copied(micro),
+            )
+        )

@@ -1,0 +1,80 @@
+"""``fb.probe`` on a hand-written DDP loop, 2 gloo ranks: the all-reduced gradient is compared
+with the reference summed over every rank's micro-batches and counts; every rank reports the
+same verdict, and a probed run changes neither the parameters (bitwise) nor DDP's all-reduces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist_probe as cases
+from _dist import run_ranks, values
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _rel(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    diff = sum(float((g - r).pow(2).sum()) for g, r in zip(got, ref, strict=True))
+    return (diff / sum(float(r.pow(2).sum()) for r in ref)) ** 0.5
+
+
+def _run(how: str, dropout: float = 0.0) -> list[dict]:
+    results = values(run_ranks(cases.probe_rank, 2, how, dropout))
+    for rank in results:  # the probe changed nothing: parameters bitwise, DDP's all-reduces
+        plain, probed = rank["plain"], rank["probed"]
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain["params"], probed["params"], strict=True)
+        )
+        assert plain["allreduce"] == probed["allreduce"]
+        assert (plain["allreduce"] > 0) == (how != "never sync")
+    return results
+
+
+def test_right_loop_passes_on_every_rank() -> None:
+    results = _run("right")
+    ref = cases.reference()
+    for rank in results:
+        report = rank["probed"]["report"]
+        assert report.ok, str(report)
+        first = report.windows[0]
+        assert first.ranks == (3, 2) and first.micro_batches == 5
+        assert first.weights == pytest.approx([1.0] * 5, rel=1e-6)
+        assert _rel(rank["probed"]["applied"][0], ref) < 1e-12 and first.error < 1e-12
+
+
+def test_mean_of_means_across_ranks_is_flagged_on_every_rank() -> None:
+    results = _run("mean/K")
+    ref = cases.reference()
+    counts = [cases.counted(m) for r in sorted(cases.LAYOUT) for m in cases.data(r)[0]]
+    n = sum(counts)
+    sizes = [3, 3, 3, 2, 2]  # each micro-batch's rank's micro-batch count
+    expected = [n / (2 * k * c) for k, c in zip(sizes, counts, strict=True)]
+    for rank in results:
+        first = rank["probed"]["report"].windows[0]
+        assert first.pattern == "mean of per-micro-batch means", first.diagnosis
+        assert first.weights == pytest.approx(expected, rel=1e-6)
+        assert first.error == pytest.approx(_rel(rank["probed"]["applied"][0], ref), rel=1e-9)
+        assert "of rank 1" in first.diagnosis or "of rank 0" in first.diagnosis
+
+
+def test_ranks_that_never_sync_differ_and_fail_on_every_rank() -> None:
+    results = _run("never sync")
+    assert not torch.equal(results[0]["plain"]["params"][0], results[1]["plain"]["params"][0])
+    for rank in results:
+        report = rank["probed"]["report"]
+        assert not report.ok
+        assert all(w.pattern == "ranks differ" for w in report.windows), str(report)
+        assert "replicas would diverge" in report.windows[0].diagnosis
+
+
+def test_dropout_under_ddp_is_replayed() -> None:
+    results = _run("right", dropout=0.3)
+    for rank in results:
+        assert rank["probed"]["report"].ok, str(rank["probed"]["report"])
+
+
+def test_fsdp2_is_refused_by_name_on_every_rank() -> None:
+    for report in values(run_ranks(cases.fsdp2_rank, 2)):
+        assert not report.ok and report.windows == ()
+        assert "FSDP2" in report.problems[0] and "unsupported" in report.problems[0]
