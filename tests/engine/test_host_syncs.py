@@ -7,13 +7,14 @@ scale) in one ``tolist()``. Nothing per micro-batch: counts stay device tensors,
 helpers check labels with an asynchronous assertion. ``counts=`` adds one read per window
 (``window.totals`` are numbers before the first backward); splitting by length
 (``sort_rows``, ``micro_batch_tokens``, ``pack``) adds one read of the lengths, which the
-grouping needs on the host, and one non-blocking copy of the row order per window.
+grouping needs on the host, and one non-blocking copy of the row order per window (the first
+two windows also read whether the trimmed columns held only padding: once per window).
 
 The harness (``tests/_sync_cases.py``) puts the model and the data "on the GPU": tensors that
 report ``cuda:0`` so fullbatch and torch take their GPU branches, and whose reads it counts.
 The first tests show it counts what a GPU waits for and nothing else. Windows after the first
 are the steady state: the first window also runs the one-time label checks
-(``fullbatch._engine._mistakes``), which read the first two micro-batches.
+(``fullbatch._engine._labels``), which read the first two micro-batches.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _train(
         return count_windows(h, acc, data, _lm_loss(model), share=share)
 
 
-def _steady(windows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steady(windows: list[dict[str, Any]], after: int = 1) -> list[dict[str, Any]]:
     assert len(windows) == WINDOWS
-    return windows[1:]
+    return windows[after:]
 
 
 # -- the harness counts what a GPU waits for, and nothing else ---------------------------------
@@ -149,7 +150,7 @@ def test_first_window_reads_only_for_the_one_time_label_checks() -> None:
     first = _train()[0]
     assert first["micro"][2:] == [0] * (K - 2) and first["step"] == 1, first["events"]
     reads = [line for line in first["events"].splitlines() if "[micro]" in line]
-    assert reads and all("_engine/_mistakes.py" in line for line in reads), first["events"]
+    assert reads and all("_engine/_labels.py" in line for line in reads), first["events"]
 
 
 def test_grad_scaler_reads_once_per_window() -> None:
@@ -178,7 +179,10 @@ SPLITS = {
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
 def test_splitting_by_length_reads_lengths_and_copies_indices_once_per_window(split: str) -> None:
-    for w in _steady(_train(_windows(), **SPLITS[split])):
+    windows = _train(_windows(), **SPLITS[split])
+    if split != "pack":  # the first two windows check that trimmed columns held only padding
+        assert windows[1]["open"] == 2 and "_base/_take.py" in windows[1]["events"]
+    for w in _steady(windows, after=2):
         assert len(w["micro"]) >= 2 and w["micro"] == [0] * len(w["micro"]), w["events"]
         assert w["h2d"] == [0] * len(w["micro"]), w["events"]
         assert (w["open"], w["step"]) == (1, 1), w["events"]  # the lengths, the step
@@ -197,7 +201,8 @@ def test_splitting_copies_one_index_tensor_per_window_without_waiting(split: str
         assert len(micros) >= 2
         copies = [e for e in h.events if e[1] == "h2d"]
         assert len(copies) == 1 and "non_blocking" in copies[0][2], h.show("h2d")
-        assert h.count("read") == 1, h.show()  # the lengths
+        # the lengths; in the first two windows, whether trimmed columns held only padding
+        assert h.count("read") == (1 if split == "pack" else 2), h.show()
         assert all(t.is_cuda for m in micros for t in m.values() if isinstance(t, torch.Tensor))
 
 
