@@ -264,3 +264,29 @@ def test_bfloat16_autocast_is_replayed_and_judged_by_its_band() -> None:
     assert right.ok, str(probe.report)
     assert 1e-4 < right.band < 0.1 and right.error > 1e-5  # bfloat16's rounding, measured
     assert not wrong.ok and wrong.pattern == "mean of per-micro-batch means"
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e-3])
+def test_accumulator_clipping_by_its_own_multiply_is_seen(max_grad_norm: float | None) -> None:
+    """``fb.Accumulator(max_grad_norm=...)`` clips inside its one multiply, not through
+    ``clip_grad_norm_``: the probe reads the clip from the step's verdict and passes; the
+    applied gradient is the full batch's times that clip (measured here by hand)."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    window = micro_batches(SIZES)
+    ref = full_batch_grad(model, window)
+    norm = math.sqrt(sum(float(r.pow(2).sum()) for r in ref))
+    seen: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(applied(model)) and None)
+    with fb.probe(objective=objective) as probe:
+        acc = fb.Accumulator(model, opt, micro_batches=len(SIZES), max_grad_norm=max_grad_norm)
+        for w in acc.windows(window):
+            for micro in w:
+                w.backward(*objective(model, micro))
+            stats = w.step()
+    assert probe.report.ok, str(probe.report)
+    clip = 1.0 if max_grad_norm is None else max_grad_norm / (norm + 1e-6)
+    assert stats.grad_norm == pytest.approx(norm, rel=1e-12)
+    assert rel_error(seen[0], [r * clip for r in ref]) < 1e-12
+    (check,) = probe.report.windows
+    assert check.engine == "fb.Accumulator" and check.error < 1e-12

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullbatch._probe._capture import Capture
 from fullbatch._probe._check import check_window, trained
-from fullbatch._probe._clip import ClipObserver
+from fullbatch._probe._clip import Clip, ClipObserver
 from fullbatch._probe._diagnose import Measured, diagnose
 from fullbatch._probe._objective import check_objective
 from fullbatch._probe._report import ProbeReport, WindowCheck
@@ -200,12 +200,16 @@ class Probe:
             )
             self._finish()
             return
+        engine = find_engine()
+        if engine.clip is not None:  # clipped by the engine's own multiply: seen in its verdict
+            max_norm, total, coef = engine.clip
+            clips.append(Clip(frozenset(id(p) for p in trained(optimizer)), max_norm, total, coef))
         self._capture.paused = True
         try:
             measured = check_window(
                 step=self._steps, calls=calls, optimizer=optimizer, sampler_for=self.sampler_for,
                 leftovers=leftovers, objective=self.objective, ranks=self.ranks, clips=clips,
-                engine=find_engine(),
+                engine=engine,
             )  # fmt: skip
         except BaseException as error:
             self.failed = error

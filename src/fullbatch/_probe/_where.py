@@ -85,10 +85,16 @@ def find_micro(ids: set[int]) -> Any:
 
 @dataclass(frozen=True)
 class Engine:
-    """Who stepped the optimizer: a short name and whether it is one of fullbatch's routes."""
+    """Who stepped the optimizer: a short name and whether it is one of fullbatch's routes.
+
+    ``clip``: ``(max_norm, total_norm, coefficient)`` of a clip the engine applied itself, not
+    through ``clip_grad_norm_`` (``fb.Accumulator(max_grad_norm=...)`` folds it into its one
+    multiply; its verdict says by how much).
+    """
 
     name: str
     fullbatch: bool = False
+    clip: tuple[float, float, float] | None = None
 
 
 def _class_names(obj: Any) -> tuple[set[str], set[str]]:
@@ -128,6 +134,17 @@ def _classify(obj: Any, module: str) -> Engine | None:
     return None
 
 
+def _accumulator(frame: FrameType) -> Engine:
+    """``fb.Accumulator``, with the clip its verdict applied (``window.step()``'s locals)."""
+    verdict = frame.f_locals.get("verdict")
+    limit = getattr(frame.f_locals.get("engine"), "max_grad_norm", None)
+    clip = getattr(verdict, "clip", None)
+    norm = getattr(verdict, "grad_norm", None)
+    if limit is None or not isinstance(clip, float) or clip >= 1.0 or norm is None:
+        return Engine("fb.Accumulator", fullbatch=True)
+    return Engine("fb.Accumulator", fullbatch=True, clip=(limit, norm, clip))
+
+
 def find_engine() -> Engine:
     """The engine that is stepping the optimizer now, from the ``self`` of the frames above.
 
@@ -142,7 +159,7 @@ def find_engine() -> Engine:
         module = frame.f_globals.get("__name__", "")
         obj = frame.f_locals.get("self") if not _ours(frame) else None
         if module.startswith("fullbatch._engine"):
-            return Engine("fb.Accumulator", fullbatch=True)
+            return _accumulator(frame)
         if obj is not None:
             found = _classify(obj, module)
             if found is not None:
