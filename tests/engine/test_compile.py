@@ -5,7 +5,8 @@ beyond what the hand loop on the same micro-batches needs (fixed shapes: none; t
 ``sort_rows`` trims to: the same dynamic-shape recompile). Under DDP (2 gloo ranks,
 ``torch.compile(ddp_model)``), fullbatch sets ``require_backward_grad_sync`` per micro-batch
 and the hand loop uses ``no_sync()``: neither recompiles, and fullbatch adds no graph break to
-the ones DDP's own forward has. The ``aot_eager`` backend: guards, graph breaks and
+the ones DDP's own forward has. The loss helpers compile with the model without a graph break
+(their label check is a device assertion inside ``torch.compile``). The ``aot_eager`` backend: guards, graph breaks and
 recompiles are decided by dynamo, whatever the backend; it compiles in seconds.
 """
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import _compile_cases as cases
+import fullbatch as fb
 from _dist import run_ranks, values
 from _sync_cases import TinyLM, lm_data
 
@@ -73,3 +75,28 @@ def test_ddp_sync_toggling_does_not_recompile() -> None:
         assert mine["recompiles"] == theirs["recompiles"] == [], (rank, counted)
         assert set(mine["graph_breaks"]) <= set(theirs["graph_breaks"]), (rank, counted)
         assert mine["graphs"] == theirs["graphs"], (rank, counted)
+
+
+def test_a_compiled_loss_helper_has_no_graph_break() -> None:
+    """``fb.causal_lm_loss`` inside the compiled function: its label check is a device
+    assertion there (a host ``bool()`` would break the graph on CPU), and still refuses."""
+    data = lm_data(K * 2)
+
+    def ours() -> None:
+        torch.manual_seed(0)
+        model = TinyLM()
+        step = torch.compile(
+            lambda ids, labels: fb.causal_lm_loss(model(ids), labels), backend="aot_eager"
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with fb.Accumulator(model, opt, micro_batches=K) as acc:
+            for window in acc.windows(data):
+                for m in window:
+                    window.backward(*step(m["input_ids"], m["labels"]))
+                window.step()
+        labels = data[0]["labels"].clone()
+        labels[0, 3] = -1
+        with pytest.raises(RuntimeError, match="negative values other than ignore_index"):
+            step(data[0]["input_ids"], labels)
+
+    assert cases.dynamo_counts(ours) == {"graph_breaks": [], "recompiles": [], "graphs": 1}
