@@ -214,3 +214,22 @@ def test_splitting_host_data_reads_nothing(split: str) -> None:
         acc = fb.Accumulator(model, torch.optim.SGD(model.parameters()), **SPLITS[split])
         micros = list(next(iter(acc.windows(_windows()[:1]))))
     assert len(micros) >= 2 and h.count("read") == 0 and h.count("h2d") == 0, h.show()
+
+
+def test_counts_on_the_device_are_checked_with_the_totals_one_read() -> None:
+    """A negative device count from a ``counts=`` function (never read one by one) is refused
+    when the window opens, before anything changes."""
+    h = HostSyncs()
+    torch.manual_seed(0)
+    model = TinyLM()
+    with h:
+        h.to_device(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in model.parameters()]
+        counts = {"tokens": lambda m: fb.count_tokens(m["labels"]) - 1000}
+        acc = fb.Accumulator(model, opt, micro_batches=K, counts=counts)
+        with pytest.raises(ValueError, match="counts= function returned a negative"):
+            next(iter(acc.windows(h.to_device(lm_data(K)))))
+        assert h.count("read") == 1, h.show()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert not opt.state and all(p.grad is None for p in model.parameters())
