@@ -6,8 +6,9 @@ beyond what the hand loop on the same micro-batches needs (fixed shapes: none; t
 ``torch.compile(ddp_model)``), fullbatch sets ``require_backward_grad_sync`` per micro-batch
 and the hand loop uses ``no_sync()``: neither recompiles, and fullbatch adds no graph break to
 the ones DDP's own forward has. The loss helpers compile with the model without a graph break
-(their label check is a device assertion inside ``torch.compile``). The ``aot_eager`` backend: guards, graph breaks and
-recompiles are decided by dynamo, whatever the backend; it compiles in seconds.
+(their label check is a device assertion inside ``torch.compile``). The ``aot_eager``
+backend: guards, graph breaks and recompiles are decided by dynamo, whatever the backend; it
+compiles in seconds.
 """
 
 from __future__ import annotations
