@@ -14,6 +14,7 @@ one all-reduce where they differ per rank, and read back with a single ``tolist(
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,11 +78,13 @@ def read_numbers(
     dtype = accumulation_dtype(device)
     zero = torch.zeros((), dtype=dtype, device=device)
     summed = [zero] * _SUMMED
-    local = [zero] * 3
     loss, counts, bad = state.sums(device, dtype)
     summed[_LOSS] = loss
     summed[_COUNT] = counts + state.count_py
     summed[_BAD_COUNT] = bad
+    # The replicated slots hold device values only where there are some (Python numbers
+    # need no read): the norm, the GradScaler's scale, a tensor learning rate.
+    local: dict[int, torch.Tensor] = {}
     # The norm of the gradients as accumulated (times the GradScaler's scale, divided out
     # after the read: unscale_ comes after the verdict, so a refused window leaves the
     # scaler as it was).
@@ -94,13 +97,21 @@ def read_numbers(
     form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
     summed[form_slot] = zero + state.backwards
     scale = _scale_tensor(engine.scaler) if engine.scaler is not None else None
-    local[_SCALE] = zero + 1.0 if scale is None else scale.to(device, dtype)
+    if scale is not None:
+        local[_SCALE] = scale.to(device, dtype)
     lr = _lr_tensor(engine)
-    local[_LR] = zero + float("nan") if lr is None else lr.detach().to(device, dtype)
+    if lr is not None:
+        local[_LR] = lr.detach().to(device, dtype)
     reduced = torch.stack(summed)
     if sync.group is not None:
         reduced = sync.all_reduce_sum(reduced)
-    return WindowNumbers.from_list(torch.cat([reduced, torch.stack(local)]).tolist())
+    if local:
+        reduced = torch.cat([reduced, torch.stack(list(local.values()))])
+    values = reduced.tolist()  # the one read
+    replicated = [0.0, 1.0, math.nan]
+    for slot, value in zip(local, values[_SUMMED:], strict=True):
+        replicated[slot] = value
+    return WindowNumbers.from_list(values[:_SUMMED] + replicated)
 
 
 def pair_discard(engine: Engine) -> None:
