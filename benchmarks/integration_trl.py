@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
+from fullbatch.testing import char_tokenizer, tiny_causal_lm
 from fullbatch.trl import ExactDPOTrainer, ExactSFTTrainer
 
 LR, BETA = 0.1, 0.1

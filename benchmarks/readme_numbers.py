@@ -3,11 +3,14 @@
     python benchmarks/readme_numbers.py            # measure and print the README's sections
     python benchmarks/readme_numbers.py --write    # ... and rewrite them, and docs/demo.png
     python benchmarks/readme_numbers.py --quick    # a short run that checks the pipeline
+    python benchmarks/readme_numbers.py --write --demo-only   # the demo and picture only
 
 It runs, each in its own process with this interpreter: ``fullbatch demo`` (100 steps; its
 ``loss.png`` becomes ``docs/demo.png`` with ``--write``), ``benchmarks/overhead.py`` (1-, 4- and
 16-row micro-batches) and ``benchmarks/ddp_window_time.py`` under ``torchrun`` with 2 gloo
-ranks. It prints what each prints, then the README's marked sections as Markdown. With
+ranks (with ``--demo-only``, only the demo: the timings are kept from
+``benchmarks/readme_numbers.json``). It prints what each prints, then the README's marked
+sections as Markdown. With
 ``--write`` it replaces the text between ``<!-- readme_numbers: NAME -->`` and
 ``<!-- /readme_numbers -->`` in README.md and stores the measured values in
 ``benchmarks/readme_numbers.json`` (``tests/docs/test_readme_numbers.py`` checks that the README
@@ -192,17 +195,32 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="few steps and reps (~2 min); writes nothing"
     )
+    parser.add_argument(
+        "--demo-only",
+        action="store_true",
+        help="run only the demo; keep the stored overhead and DDP timings (and their "
+        "environment) from benchmarks/readme_numbers.json",
+    )
     args = parser.parse_args()
     if args.quick and args.write:
         parser.error("--quick numbers are for checking the pipeline; --write needs a full run")
     with tempfile.TemporaryDirectory(prefix="readme_numbers-") as tmp:
         out = Path(tmp)
-        results = {
-            "environment": environment(),
-            "demo": run_demo(out, args.quick),
-            "overhead": run_overhead(out, args.quick),
-            "ddp": run_ddp(out, args.quick),
-        }
+        if args.demo_only:
+            results = json.loads(RESULTS.read_text(encoding="utf-8"))
+            if results["environment"] != environment():
+                sys.exit(
+                    "readme_numbers: the stored timings were measured with "
+                    f"{results['environment']}, not {environment()}; run without --demo-only"
+                )
+            results["demo"] = run_demo(out, args.quick)
+        else:
+            results = {
+                "environment": environment(),
+                "demo": run_demo(out, args.quick),
+                "overhead": run_overhead(out, args.quick),
+                "ddp": run_ddp(out, args.quick),
+            }
         picture = results["demo"].pop("picture")
         sections = render(results)
         for name, body in sections.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,10 @@ from torch import nn
 import fullbatch as fb
 
 pl = pytest.importorskip("lightning.pytorch")
+
+# Both Lightning packages: the unified `lightning` (lightning.pytorch) and the standalone
+# `pytorch_lightning`; a user's Trainer comes from either.
+PACKAGES = ["lightning.pytorch", "pytorch_lightning"]
 
 VOCAB = 17
 IGNORE = -100
@@ -63,7 +68,7 @@ def tiny_lm(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB))
 
 
-class LM(pl.LightningModule):
+class _LMBody:
     """Returns ``{"loss": loss_sum, "count": n}`` (``mean=False``) or a mean loss."""
 
     def __init__(
@@ -102,6 +107,19 @@ class LM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class LM(_LMBody, pl.LightningModule):
+    """The test module, a ``lightning.pytorch`` LightningModule."""
+
+
+def lm_class(package: str) -> type:
+    """``LM`` as a LightningModule of ``package`` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``: each package's Trainer takes only its own modules)."""
+    if package == "lightning.pytorch":
+        return LM
+    base = importlib.import_module(package).LightningModule
+    return type("LM", (_LMBody, base), {})
+
+
 class Recorder(pl.Callback):
     """Copies the parameters after every optimizer step."""
 
@@ -116,7 +134,7 @@ class Recorder(pl.Callback):
 
 
 def fit(
-    module: LM,
+    module: Any,
     batches: list[Batch],
     *,
     k: int,
@@ -124,9 +142,10 @@ def fit(
     exact: bool = True,
     epochs: int = 1,
     callbacks: Sequence[Any] = (),
+    package: str = "lightning.pytorch",
     **trainer_kwargs: Any,
 ) -> Recorder:
-    """Train with Lightning; return the parameters after every optimizer step."""
+    """Train with ``package``'s Trainer; return the parameters after every optimizer step."""
     rec = Recorder()
     cbs = [*callbacks, rec]
     if exact:
@@ -147,7 +166,7 @@ def fit(
         "num_sanity_val_steps": 0,
     }
     options.update(trainer_kwargs)
-    trainer = pl.Trainer(callbacks=cbs, **options)
+    trainer = importlib.import_module(package).Trainer(callbacks=cbs, **options)
     trainer.fit(module, loader(batches))
     return rec
 
@@ -223,8 +242,9 @@ def max_diff(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
 class _Env:
     """A cluster environment for ranks this test started itself: Lightning launches nothing."""
 
-    def __new__(cls, rank: int, world: int) -> Any:
-        from lightning.fabric.plugins.environments import ClusterEnvironment
+    def __new__(cls, rank: int, world: int, package: str = "lightning.pytorch") -> Any:
+        environments = importlib.import_module(f"{package}.plugins.environments")
+        ClusterEnvironment = environments.ClusterEnvironment
 
         class Env(ClusterEnvironment):
             @property
@@ -265,22 +285,27 @@ class _Env:
 
 
 def ddp_rank(
-    rank: int, world: int, per_rank: list[list[Batch]], k: int, root: str
+    rank: int,
+    world: int,
+    per_rank: list[list[Batch]],
+    k: int,
+    root: str,
+    package: str = "lightning.pytorch",
+    plain: bool = True,
 ) -> tuple[list[list[torch.Tensor]], float, list[list[torch.Tensor]]]:
-    """One rank of two Lightning DDP runs inside an existing gloo process group: with
-    ExactAccumulation (sum loss + count; returns its params and last window loss), then
-    Lightning's own accumulation of a mean loss (its params)."""
-    from lightning.pytorch.strategies import DDPStrategy
-
+    """One rank of two Lightning DDP runs (``package``'s Trainer) inside an existing gloo
+    process group: with ExactAccumulation (sum loss + count; returns its params and last window
+    loss), then (``plain``) Lightning's own accumulation of a mean loss (its params)."""
     from fullbatch.lightning import ExactAccumulation
 
+    DDPStrategy = importlib.import_module(f"{package}.strategies").DDPStrategy
     out = []
     cb = ExactAccumulation()
-    for exact in (True, False):
+    for exact in (True, False) if plain else (True,):
         torch.manual_seed(0)
-        module = LM(tiny_lm(0), mean=not exact)
+        module = lm_class(package)(tiny_lm(0), mean=not exact)
         strategy = DDPStrategy(
-            cluster_environment=_Env(rank, world),
+            cluster_environment=_Env(rank, world, package),
             process_group_backend="gloo",
             timeout=datetime.timedelta(seconds=30),
         )
@@ -294,6 +319,7 @@ def ddp_rank(
             devices=world,
             strategy=strategy,
             use_distributed_sampler=False,  # each rank's loader already holds its own share
+            package=package,
         )
         out.append(rec.params)
-    return out[0], cb.loss, out[1]
+    return out[0], cb.loss, out[-1]

@@ -47,7 +47,11 @@ def dpo_config(out: str, *, k: int, batch: int, **overrides: Any) -> Any:
     return DPOConfig(out, **options)
 
 
-def run_dpo(n: int, *, k: int, batch: int, exact: bool, **overrides: Any) -> dict[str, Any]:
+def run_dpo(
+    n: int, *, k: int, batch: int, exact: bool, ref: bool = True, **overrides: Any
+) -> dict[str, Any]:
+    """Train on ``pairs(n)``; ``ref=False`` passes no ``ref_model`` (e.g. with
+    ``precompute_ref_log_probs=True``: the reference is the initial policy)."""
     from transformers import TrainerCallback
     from trl import DPOTrainer
 
@@ -64,7 +68,7 @@ def run_dpo(n: int, *, k: int, batch: int, exact: bool, **overrides: Any) -> dic
         warnings.simplefilter("ignore")
         trainer: Any = cls(
             model=tiny_causal_lm("llama"),
-            ref_model=tiny_causal_lm("llama"),
+            ref_model=tiny_causal_lm("llama") if ref else None,
             args=dpo_config(tmp, k=k, batch=batch, **overrides),
             train_dataset=pairs(n),
             processing_class=char_tokenizer(),

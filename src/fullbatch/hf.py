@@ -42,8 +42,9 @@ same rows as one full batch, and says whether its accumulation is exact.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,7 +62,9 @@ from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._base._versions import trainer_parallel_size
 from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
 from fullbatch._hf_window import KeepSchedule, end_trainer_window
-from fullbatch._verify._hf_check import TrainerCheck, check_trainer
+
+if TYPE_CHECKING:
+    from fullbatch._verify._hf_check import TrainerCheck, check_trainer
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
@@ -365,3 +368,13 @@ class ExactTrainer(Trainer):
         if verdict.next_loss_scale is not None:
             self._fb_c = verdict.next_loss_scale
         return torch.tensor(verdict.loss, device=self.args.device)
+
+
+def __getattr__(name: str) -> Any:
+    """``check_trainer`` and ``TrainerCheck`` on first use (PEP 562): the check's machinery
+    (the Accumulator, the verify arms) is not imported by ``ExactTrainer`` users."""
+    if name not in ("TrainerCheck", "check_trainer"):
+        raise AttributeError(f"module 'fullbatch.hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module("fullbatch._verify._hf_check"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

@@ -23,6 +23,7 @@ Example (the full, runnable version is in ``docs/integrations.md``)::
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import warnings
 from collections.abc import Mapping
@@ -31,16 +32,14 @@ from typing import Any
 
 import torch
 
-try:  # the unified package first, then the standalone one
+# The callback's base class and the type hints: the unified package first, then the
+# standalone one. Lightning calls callbacks by their hook names, so either package's Trainer
+# runs it; the strategies it checks against are the Trainer's own package's (_package).
+try:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.strategies import (  # type: ignore[assignment]
-            DDPStrategy,
-            SingleDeviceStrategy,
-        )
     except ImportError as exc:
         raise ImportError(
             "fullbatch.lightning needs Lightning (the `lightning` or `pytorch_lightning` "
@@ -60,6 +59,20 @@ _RETURN_HINT = (
 )
 # The frameworks between the user's trainer.fit() and the callback's hooks.
 _THROUGH = ("lightning", "pytorch_lightning", "lightning_fabric", "torch")
+
+
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _package(trainer: Any) -> Any:
+    """The Lightning package ``trainer`` comes from (``lightning.pytorch`` or
+    ``pytorch_lightning``, already imported by its user), found along its class's MRO so that
+    a user's Trainer subclass counts; ``pl`` when neither is found (a test double)."""
+    for cls in type(trainer).__mro__:
+        for name in _PACKAGES:
+            if cls.__module__ == name or cls.__module__.startswith(name + "."):
+                return importlib.import_module(name)
+    return pl
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,8 @@ class ExactAccumulation(pl.Callback):
         self._kept: KeptSchedule | None = None
         self._recorded = False  # this batch's training_step output was recorded
         self._module: pl.LightningModule | None = None
+        # the Trainer's package's DDPStrategy, set at setup (either package's Trainer works)
+        self._ddp: type = type(None)
 
     @property
     def steps(self) -> int:
@@ -176,17 +191,21 @@ class ExactAccumulation(pl.Callback):
                 "For a schedule over epochs use Lightning's GradientAccumulationScheduler "
                 "callback (each epoch's K is read at every micro-batch)."
             )
+        package = _package(trainer)
+        strategies = importlib.import_module(f"{package.__name__}.strategies")
+        self._ddp = strategies.DDPStrategy
         strategy = trainer.strategy
         if strategy.handles_gradient_accumulation or not isinstance(
-            strategy, (SingleDeviceStrategy, DDPStrategy)
+            strategy, (strategies.SingleDeviceStrategy, self._ddp)
         ):
             raise ValueError(
                 f"ExactAccumulation supports the single-device and DDP strategies, not "
-                f"{type(strategy).__name__}: its gradient division is not known here. Use "
-                'strategy="ddp" (or "auto" on one device), or fullbatch.Accumulator directly.'
+                f"{type(strategy).__name__} (from {type(strategy).__module__}): its gradient "
+                f'division is not known here. Use strategy="ddp" (or "auto" on one device) in '
+                f"{package.__name__}.Trainer, or fullbatch.Accumulator directly."
             )
         hook = getattr(strategy, "_ddp_comm_hook", None)
-        if isinstance(strategy, DDPStrategy) and hook is not None and self.grad_divisor is None:
+        if isinstance(strategy, self._ddp) and hook is not None and self.grad_divisor is None:
             raise ValueError(
                 f"DDPStrategy(ddp_comm_hook={getattr(hook, '__name__', hook)!r}) may not average "
                 "gradients over ranks the way DDP does. Pass ExactAccumulation(grad_divisor=D), "
@@ -200,10 +219,9 @@ class ExactAccumulation(pl.Callback):
                 "gradient; pass one."
             )
         before = trainer.callbacks[: trainer.callbacks.index(self)]  # type: ignore[attr-defined]
+        defaults = {pl.Callback.on_before_optimizer_step, package.Callback.on_before_optimizer_step}
         readers = [
-            type(c).__name__
-            for c in before
-            if type(c).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
+            type(c).__name__ for c in before if type(c).on_before_optimizer_step not in defaults
         ]
         if readers:
             warnings.warn(
@@ -333,7 +351,7 @@ class ExactAccumulation(pl.Callback):
         )
         world = 1.0
         strategy = trainer.strategy
-        if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
+        if isinstance(strategy, self._ddp) and trainer.world_size > 1:
             group = getattr(strategy.model, "process_group", None)
             # Σ loss, Σ count, bad counts over ranks
             world = float(all_reduce_over(local, group))

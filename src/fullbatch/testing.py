@@ -1,4 +1,9 @@
-"""Assertions for your own test suite: ``fb.testing.assert_equivalent``.
+"""For your own test suite: ``fb.testing.assert_equivalent``, and tiny models to try things on.
+
+``tiny_causal_lm``, ``tiny_seq2seq`` and ``char_tokenizer`` build small Hugging Face models
+and a character tokenizer from a config, in code (seeded, float64 by default, nothing
+downloaded; they need ``transformers``, e.g. ``pip install "fullbatch[trl]"``), as the docs'
+TRL and Trainer examples use them.
 
 >>> import torch, fullbatch as fb
 >>> model = torch.nn.Linear(3, 2).double()
@@ -17,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm, tiny_seq2seq
 from fullbatch._verify._arms import LossFn
 from fullbatch._verify._report import VerifyReport
 from fullbatch._verify._run import verify
 
-__all__ = ["assert_equivalent"]
+__all__ = ["assert_equivalent", "char_tokenizer", "tiny_causal_lm", "tiny_seq2seq"]
 
 
 def assert_equivalent(

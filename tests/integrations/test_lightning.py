@@ -410,3 +410,43 @@ def test_a_ddp_comm_hook_needs_grad_divisor() -> None:
     with pytest.raises(ValueError, match=r"ddp_comm_hook='my_hook'.*grad_divisor=D"):
         _setup_with(DDPStrategy(ddp_comm_hook=my_hook))
     _setup_with(DDPStrategy(ddp_comm_hook=my_hook), ExactAccumulation(grad_divisor=2))  # accepted
+
+
+@pytest.mark.parametrize("package", cases.PACKAGES)
+def test_either_packages_trainer_steps_the_full_batch(tmp_path: Path, package: str) -> None:
+    """With both `lightning` and `pytorch_lightning` installed, the callback follows the
+    Trainer it runs in: a `pytorch_lightning.Trainer` is exact too (it used to be refused as
+    "not SingleDeviceStrategy", comparing with lightning.pytorch's classes)."""
+    pytest.importorskip(package)
+    batches, windows = _data()
+    ref = reference(tiny_lm(0).double(), windows)
+    cb = ExactAccumulation()
+    module = cases.lm_class(package)(tiny_lm(0))
+    rec = fit(module, batches, k=K, root=str(tmp_path), exact=False, callbacks=[cb],
+              package=package)  # fmt: skip
+    assert cb.steps == 3 and len(rec.params) == 3
+    assert max_diff(rec.params, ref) < 1e-12
+
+
+@pytest.mark.parametrize("package", cases.PACKAGES)
+def test_strategies_are_taken_from_the_trainers_package(package: str) -> None:
+    from types import SimpleNamespace
+
+    strategies = pytest.importorskip(f"{package}.strategies")
+    # a user's Trainer subclass, defined outside Lightning: its base class names the package
+    base = type("Trainer", (SimpleNamespace,), {"__module__": f"{package}.trainer.trainer"})
+    user_trainer = type("MyTrainer", (base,), {"__module__": "my_project.train"})
+    module = cases.lm_class(package)(tiny_lm(0))
+    cb = ExactAccumulation()
+    trainer = user_trainer(
+        accumulate_grad_batches=2, strategy=strategies.SingleDeviceStrategy("cpu"), callbacks=[cb]
+    )
+    cb.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    assert cb._ddp is strategies.DDPStrategy
+    cb.teardown(trainer, module, "fit")  # type: ignore[arg-type]
+    trainer.strategy = strategies.FSDPStrategy()
+    with pytest.raises(
+        ValueError, match=rf"not FSDPStrategy \(from {package}\..*{package}\.Trainer"
+    ):
+        cb.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    assert "training_step" not in vars(module)

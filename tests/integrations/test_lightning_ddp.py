@@ -50,3 +50,18 @@ def test_ddp_two_ranks_uneven_counts_match_the_full_batch_every_step() -> None:
         assert math.isclose(last_loss, losses[-1], rel_tol=1e-12)
         # Lightning's own accumulation of a mean loss, same ranks and data: visibly off.
         assert cases.max_diff(plain, ref) > 1e-3
+
+
+def test_ddp_under_the_standalone_pytorch_lightning_package() -> None:
+    """The same run with `pytorch_lightning.Trainer` and its DDPStrategy (both packages are
+    installed here): the callback takes the strategy classes from the Trainer's package."""
+    pytest.importorskip("pytorch_lightning")
+    per_rank, windows = _setup()
+    ref = cases.reference(cases.tiny_lm(0).double(), windows)
+    with tempfile.TemporaryDirectory() as root:
+        got = values(
+            run_ranks(cases.ddp_rank, 2, per_rank, K, root, "pytorch_lightning", False, deadline=90)
+        )
+    for exact, _, _ in got:
+        assert len(exact) == 2
+        assert cases.max_diff(exact, ref) < 1e-12

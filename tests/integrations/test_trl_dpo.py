@@ -9,6 +9,7 @@ import tempfile
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 
@@ -80,3 +81,59 @@ def test_check_trainer_on_other_pair_losses() -> None:
             )
             check = fbhf.check_trainer(trainer)
         assert check.passed and check.accumulated.grad_norm > 0, (loss_type, str(check))
+
+
+def test_config_built_model_without_ref_model_is_refused_with_the_fix() -> None:
+    """TRL reloads the reference from ``model.config._name_or_path``, empty for a model built
+    from a config: stock TRL fails inside transformers (an OSError about a repo id);
+    ExactDPOTrainer raises its own ValueError naming the fixes, before TRL patches the model."""
+    import copy
+    import warnings
+
+    from trl import DPOTrainer
+
+    from fullbatch.trl import ExactDPOTrainer
+
+    model = tiny_causal_lm("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OSError, match=r"[Rr]epo"):  # what a user of stock TRL sees
+            DPOTrainer(
+                model=tiny_causal_lm("llama"),
+                args=dpo_config(tmp, k=2, batch=1),
+                train_dataset=pairs(4),
+                processing_class=char_tokenizer(),
+            )
+        with pytest.raises(ValueError, match=r"ref_model=copy\.deepcopy\(model\)") as err:
+            ExactDPOTrainer(
+                model=model,
+                args=dpo_config(tmp, k=2, batch=1),
+                train_dataset=pairs(4),
+                processing_class=char_tokenizer(),
+            )
+        assert "precompute_ref_log_probs=True" in str(err.value)
+        assert "_name_or_path" in str(err.value)
+        assert "forward" not in vars(model)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]), n
+        # the nearest correct form: a copy of the initial weights as the reference
+        trainer: Any = ExactDPOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=dpo_config(tmp, k=2, batch=1),
+            train_dataset=pairs(4),
+            processing_class=char_tokenizer(),
+        )
+        assert trainer.ref_model is not None
+
+
+def test_precomputed_reference_without_ref_model_equals_full_batch() -> None:
+    """The other documented fix, ``precompute_ref_log_probs=True`` on a config-built model with
+    no ``ref_model``: the reference is the model before training, every step exact."""
+    got = run_dpo(6, k=2, batch=1, exact=True, ref=False, precompute_ref_log_probs=True)
+    wins = windows(got["seen"], 2)
+    before = starts("llama", got["steps"])
+    ref = dpo_reference(wins, before, (1.0, 0.0))
+    assert len(got["steps"]) == 3
+    assert max(step_errors(got["steps"], ref["steps"], before)) < TOL

@@ -149,6 +149,9 @@ def _config(**kwargs: Any) -> GRPOConfig:
         ({"loss_type": "bnpo"}, "no full-batch form.*loss_type='dapo'"),
         ({"loss_type": "luspo"}, "got loss_type='luspo'"),
         ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
+        # a config-built policy: TRL would reload the KL reference from an empty path (the
+        # saved-folder form the message names is what cases.run does for beta, and is exact)
+        ({"loss_type": "dapo", "beta": 0.1}, r"_name_or_path.*model\.save_pretrained\(path\)"),
     ],
 )
 def test_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:

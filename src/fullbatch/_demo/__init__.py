@@ -34,8 +34,8 @@ what it does:
 output (in --out):
   metrics.csv  one row per step and arm: step, arm, micro_batch_size, true_loss,
                reported_loss, shadow_grad_error, param_distance
-  loss.png     loss minus full-batch loss, training loss, shadow-gradient error,
-               parameter distance to the full batch, logged minus true loss
+  loss.png     loss minus full-batch loss (and its size on a log scale), shadow-gradient
+               error, parameter distance to the full batch, logged minus true loss
 
 exit status:
   0  fullbatch's shadow-gradient error stayed below 1e-5 (float32 rounding is about 1e-7) at

@@ -1,6 +1,7 @@
 """Tiny Hugging Face models and a character tokenizer, built in code, for TRL examples.
 
-Used by ``docs/integrations_trl.md``, ``benchmarks/integration_trl.py`` and the tests: no
+Public as ``fullbatch.testing.tiny_causal_lm``, ``tiny_seq2seq`` and ``char_tokenizer``; used
+by ``docs/integrations_trl.md``, ``benchmarks/integration_trl.py`` and the tests: no
 download, seeded, float64 by default (so an error above the float32 band inside some heads is
 the accumulation's, not rounding's).
 

@@ -14,6 +14,7 @@ from fullbatch._base._pack import Lengths, make_splitter
 from fullbatch._base._packed import check_pack, make_packer
 from fullbatch._base._sync import make_sync
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
+from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
@@ -46,6 +47,10 @@ class Accumulator:
         optimizer: stepped once per window, with the normalized gradient. An Accelerate
             ``AcceleratedOptimizer`` is unwrapped: fullbatch hooks and steps the optimizer it
             wraps (``acc.optimizer``); give its GradScaler as ``scaler=accelerator.scaler``.
+            ColossalAI's boosted objects (``TorchDDPPlugin``) are unwrapped too: the DDP
+            model inside the boosted model (``acc.model``), the optimizer inside the
+            ``OptimizerWrapper``. Plugins that keep gradients outside ``.grad`` (ZeRO, Gemini)
+            are refused.
         micro_batches: the loader yields micro-batches; this many per rank make a window.
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
@@ -187,9 +192,12 @@ class Accumulator:
             batchnorm=batchnorm,
             padding_micro_batch=padding_micro_batch,
         )
-        # Accelerate's AcceleratedOptimizer: fullbatch hooks, steps and clears the inner one.
+        # ColossalAI's boosted DDP model and optimizer, Accelerate's AcceleratedOptimizer:
+        # fullbatch syncs the DDP model inside, hooks, steps and clears the inner optimizer.
+        model, optimizer = unwrap_boosted(model, optimizer, scaler)
         prepared = Prepared(optimizer, scheduler, scaler)
         optimizer = prepared.optimizer
+        check_optimizer(optimizer)
         self.model = model
         self.optimizer = optimizer
         scaler = scaler if scaler is not None and scaler.is_enabled() else None

@@ -23,15 +23,11 @@ from torch import nn
 from fullbatch._base._losses import cross_entropy_sum
 from fullbatch._probe._capture import Call
 from fullbatch._verify._arms import check_loss_output
+from fullbatch._verify._objective import CHOICES, OBJECTIVES
 
 __all__ = ["OBJECTIVES", "ObjectiveFn", "check_objective", "resolve"]
 
-OBJECTIVES = ("causal_lm", "token", "sample")
 ObjectiveFn = Callable[[nn.Module, Call], tuple[torch.Tensor, float]]
-_CHOICES = (
-    "objective='causal_lm' (next-token), 'token' (masked LM, token classification), 'sample' "
-    "(one label per row), or objective=fn(model, micro) -> (loss_sum, count)"
-)
 #: Keyword arguments that only shape the model's own loss; the objective computes its own.
 _LOSS_ONLY = ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "return_loss")
 _HEADS = {
@@ -57,7 +53,7 @@ def check_objective(objective: Any) -> None:
     """
     if objective is None or callable(objective) or objective in OBJECTIVES:
         return
-    raise ValueError(f"objective={objective!r} is not known; pass {_CHOICES}.")
+    raise ValueError(f"objective={objective!r} is not known; pass {CHOICES}.")
 
 
 def infer(module: nn.Module) -> str:
@@ -76,7 +72,7 @@ def infer(module: nn.Module) -> str:
                 return kind
     raise ValueError(
         f"objective=None: the objective of {name} cannot be inferred (it is not a Hugging Face "
-        f"causal-LM, masked-LM or classification head); pass {_CHOICES}."
+        f"causal-LM, masked-LM or classification head); pass {CHOICES}."
     )
 
 

@@ -26,6 +26,7 @@ from fullbatch._verify._arms import (
     naive_arm,
     reverse_rows,
 )
+from fullbatch._verify._objective import DeclaredCounts
 from fullbatch._verify._precision import (
     TOLERANCES,
     check_autocast,
@@ -82,6 +83,7 @@ def verify(
     counts: Mapping[str, Callable[[Any], Any]] | None = None,
     micro_batch_tokens: int | None = None,
     pack: bool = False,
+    objective: str | Callable[..., Any] | None = None,
 ) -> Any:
     """Check that fullbatch's accumulated gradient equals the full-batch gradient.
 
@@ -117,6 +119,12 @@ def verify(
             arm runs ``counts=`` and ``window.backward(share)``; verify also checks that the
             share scales as ``1 / totals`` (a share not divided by ``window.totals``, or
             divided by the micro-batch's own count, fails with that diagnosis).
+        objective: the objective ``loss_fn`` is meant to compute: ``"causal_lm"``,
+            ``"token"``, ``"sample"`` or ``fn(model, micro) -> (loss_sum, count)`` (as in
+            :func:`fullbatch.probe`). Every count ``loss_fn`` returns is compared with the
+            objective's count of the same rows: a count in another unit (rows, ``numel``, the
+            batch total, a leftover ``/ K``) trains every step scaled and is self-consistent,
+            so only a declared objective can fail it. ``None``: not checked.
         rtol: relative tolerance; by default 1e-10 for float64, 1e-5 for float32, 2e-2 for
             bfloat16 and 2e-3 for float16, widened to the model's own rounding band when that
             is larger (see below). An explicit ``rtol`` is never widened.
@@ -172,6 +180,15 @@ def verify(
         )
     _check_arguments(model, loss_fn, micro_batch_size)
     assert isinstance(micro_batch_size, int)
+    declared = None
+    if objective is not None:
+        if counts is not None:
+            raise ValueError(
+                "objective= checks the counts loss_fn returns (the count form); with counts= "
+                "loss_fn returns shares, which verify checks against window.totals already."
+            )
+        declared = DeclaredCounts(objective)
+        loss_fn = declared.wrap(loss_fn)
     autocast = check_autocast(autocast)
     rows = count_rows(batch)
     _check_split(rows, micro_batch_size)
@@ -200,9 +217,13 @@ def verify(
                 tol = widen_tolerance(tol, runs.band, runs.nondeterminism, compute, notes)
             additivity = check_additivity(work, work_batch, loss_fn, tol)
             cause = None if share is None else share.scaling_cause(work, work_batch, tol)
+            unit = None if declared is None else declared.cause(work)
         report = build_report(runs, additivity, tol, compute, rows, micro_batch_size, notes)
-        if cause is not None:
-            report = dataclasses.replace(report, passed=False, diagnosis=[*report.diagnosis, cause])
+        causes = [c for c in (cause, unit) if c is not None]
+        if causes:
+            report = dataclasses.replace(
+                report, passed=False, diagnosis=[*report.diagnosis, *causes]
+            )
         return report
     finally:
         if dropout is not None:

@@ -16,15 +16,40 @@ that cannot be made exact are refused at construction, with the reason. See
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 try:
-    import trl as _trl  # noqa: F401
+    import trl as _trl  # noqa: F401  (cheap: TRL's own __init__ is lazy)
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError(
         "fullbatch.trl needs TRL (and transformers): pip install 'fullbatch[trl]'"
     ) from exc
 
-from fullbatch.trl._dpo import ExactDPOTrainer
-from fullbatch.trl._grpo import ExactGRPOTrainer
-from fullbatch.trl._sft import ExactSFTTrainer
+if TYPE_CHECKING:
+    from fullbatch.trl._dpo import ExactDPOTrainer
+    from fullbatch.trl._grpo import ExactGRPOTrainer
+    from fullbatch.trl._sft import ExactSFTTrainer
 
 __all__ = ["ExactDPOTrainer", "ExactGRPOTrainer", "ExactSFTTrainer"]
+
+# Each trainer is imported on first use (PEP 562): ``from fullbatch.trl import ExactSFTTrainer``
+# imports TRL's SFT trainer only, not its DPO and GRPO trainers.
+_LAZY = {
+    "ExactDPOTrainer": "fullbatch.trl._dpo",
+    "ExactGRPOTrainer": "fullbatch.trl._grpo",
+    "ExactSFTTrainer": "fullbatch.trl._sft",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'fullbatch.trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

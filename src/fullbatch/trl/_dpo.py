@@ -21,7 +21,7 @@ import torch
 from trl import DPOTrainer
 
 from fullbatch.hf import ExactTrainer
-from fullbatch.trl._refuse import bind, common, moe_aux, refuse
+from fullbatch.trl._refuse import bind, common, moe_aux, reference, refuse
 from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactDPOTrainer"]
@@ -54,7 +54,9 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     Raises:
         ValueError: before anything changes: ``aot``/``aot_unpaired`` (they sort the pairs of
             a batch against each other, so no per-micro-batch sum equals the full batch's),
-            ``padding_free``, an enabled MoE router auxiliary loss, and what
+            ``padding_free``, an enabled MoE router auxiliary loss, a model built from a config
+            without ``ref_model=`` (TRL would reload the reference from its empty
+            ``_name_or_path``; the message gives the fixes), and what
             :class:`fullbatch.trl.ExactSFTTrainer` refuses (``compute_loss_func``, DeepSpeed,
             FSDP, LOMO).
 
@@ -88,6 +90,17 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         moe_aux(
             "ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
         )
+        precompute = getattr(config, "precompute_ref_log_probs", False)
+        if given.get("ref_model") is None and not precompute:
+            reference(
+                "ExactDPOTrainer",
+                given.get("model"),
+                given.get("peft_config"),
+                "Pass the initial weights as the reference: ref_model=copy.deepcopy(model) "
+                "(before training), or DPOConfig(..., precompute_ref_log_probs=True) (the "
+                "reference log-probabilities are computed once, from the model before training), "
+                "or model.save_pretrained(path) and model=path.",
+            )
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             moe_aux("ExactDPOTrainer", self.model, self.router_aux_loss_coef)

@@ -40,6 +40,7 @@ from fullbatch._base._normalize import squared_norm
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._hf_window import KeepSchedule, end_trainer_window
 from fullbatch.trl._grpo_window import SEQUENCE_LOSSES, TOKEN_LOSSES, GRPOWindow
+from fullbatch.trl._refuse import reference
 
 try:
     from trl import GRPOTrainer
@@ -118,7 +119,8 @@ class ExactGRPOTrainer(GRPOTrainer):
     Raises:
         ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
             ``'dapo'``) or another loss type, ``top_entropy_quantile < 1``, DeepSpeed, FSDP,
-            or DataParallel over several GPUs.
+            or DataParallel over several GPUs; ``beta != 0`` with a model built from a config
+            (TRL would reload the KL reference from its empty ``_name_or_path``).
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
     Example (see tests/integrations/test_trl_grpo.py for a whole run on a tiny model)::
@@ -134,6 +136,15 @@ class ExactGRPOTrainer(GRPOTrainer):
         config = bound.arguments.get("args")
         if config is not None:  # None: TRL's default GRPOConfig (dapo), which is accepted
             _check_config(config)
+        if getattr(config, "beta", 0.0):
+            reference(
+                "ExactGRPOTrainer",
+                bound.arguments.get("model"),
+                bound.arguments.get("peft_config"),
+                "Save the model and pass its folder: model.save_pretrained(path), then "
+                "model=path (with GRPOConfig(model_init_kwargs={'dtype': ...}) for its dtype); "
+                "or beta=0.0 (no KL term, no reference model).",
+            )
         super().__init__(*args, **kwargs)
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None

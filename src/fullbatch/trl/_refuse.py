@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from accelerate.utils import is_peft_model
+
 
 def bind(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The constructor's arguments by name (``init`` is TRL's ``__init__``, unbound)."""
@@ -74,3 +76,24 @@ def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
             "probabilities, so no sum over micro-batches equals the full batch's. Pass "
             "router_aux_loss_coef=0.0 in the config to train without it."
         )
+
+
+def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:
+    """Refuse, before TRL tries, a reference model TRL would reload from an empty path.
+
+    Without ``ref_model=`` (DPO) or with a KL term (GRPO ``beta != 0``), TRL 1.16 builds the
+    frozen reference with ``from_pretrained(model.config._name_or_path)``; a model built from a
+    config (``AutoModelForCausalLM.from_config``) has an empty path, and TRL fails deep inside
+    ``transformers`` ("Repo id must use alphanumeric chars ...: ''"). A PEFT model needs no
+    reference (TRL disables the adapter); a model id string is loaded by TRL itself.
+    """
+    if model is None or isinstance(model, str) or peft_config is not None:
+        return
+    config = getattr(model, "config", None)
+    if config is None or str(getattr(config, "_name_or_path", "")) or is_peft_model(model):
+        return
+    raise ValueError(
+        f"{trainer}: TRL builds the reference model by reloading "
+        f"model.config._name_or_path, which is empty for {type(model).__name__} built from a "
+        f"config (not from_pretrained), so it cannot. {fix}"
+    )

@@ -48,7 +48,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     >>> import tempfile, warnings
     >>> from datasets import Dataset
     >>> from trl import SFTConfig
-    >>> from fullbatch._demo._trl_tiny import tiny_causal_lm, char_tokenizer
+    >>> from fullbatch.testing import tiny_causal_lm, char_tokenizer
     >>> import fullbatch.hf, fullbatch.trl
     >>> rows = Dataset.from_list([{"prompt": "ab" * (i + 1), "completion": "cd" * (3 - i % 3)}
     ...     for i in range(8)])

@@ -18,15 +18,15 @@ flags are set in that order: gradient sync first, ``set_requires_all_reduce`` af
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from fullbatch._base._sync._base import Sync
 
-__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "fsdp_mesh"]
+__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "fsdp_mesh", "is_fsdp"]
 
 FSDP_SYNC_MODES = ("window", "micro_batch", "hybrid")
 
@@ -39,8 +39,20 @@ def fsdp_mesh(model: nn.Module) -> Any:
     return mesh
 
 
+def is_fsdp(module: Any) -> bool:
+    """Whether ``module`` is ``fully_shard``'ed (an ``FSDPModule``).
+
+    Read from ``sys.modules`` instead of importing ``torch.distributed.fsdp``: that import
+    costs about 1 s of CPU (it pulls ``torch.export`` and ``sympy``), and a model that was
+    ``fully_shard``'ed has had it imported by its user (``benchmarks/import_time.py``).
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and isinstance(module, cls)
+
+
 def _fsdp_modules(model: nn.Module) -> list[Any]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if is_fsdp(m)]
 
 
 def _param_groups(model: nn.Module) -> list[Any]:

@@ -6,13 +6,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDPSync
-from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync
+from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, is_fsdp
 from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
@@ -41,7 +40,8 @@ def make_sync(
 
     Raises:
         ValueError: an unknown mode, ``"hybrid"`` on a 1-D mesh, a ``process_group`` that is
-            not the wrapper's group, or a ``context_parallel`` group that does not fit.
+            not the wrapper's group, a ``context_parallel`` group that does not fit, or a
+            model whose ``.module`` is the DDP/FSDP2 model (pass ``model.module``).
     """
     _check_mode("ddp_sync", ddp_sync, DDP_SYNC_MODES)
     if fsdp_sync is not None:
@@ -51,12 +51,23 @@ def make_sync(
     sync: Sync
     if isinstance(model, DistributedDataParallel):
         sync = DDPSync(model, ddp_sync, grad_divisor)
-    elif isinstance(model, FSDPModule):
+    elif is_fsdp(model):
         check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
         sync = FSDPSync(model, fsdp_sync, grad_divisor)
     else:
         sync = Sync(model)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        inner = getattr(model, "module", None)
+        if isinstance(inner, DistributedDataParallel) or is_fsdp(inner):
+            kind = "DDP-wrapped" if isinstance(inner, DistributedDataParallel) else "fully_shard'ed"
+            raise ValueError(
+                f"the model is a {type(model).__name__} whose .module is {kind}: fullbatch "
+                "controls the gradient sync of the model it is given, so here it would count "
+                "items on this rank only while the inner model synchronizes on its own (every "
+                "step wrong when ranks count differently). Pass the inner model: "
+                "fb.Accumulator(model.module, optimizer, ...), and keep calling model(...) if "
+                "its forward calls model.module."
+            )
+        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "

@@ -1,0 +1,112 @@
+"""``verify(..., objective=...)``: is ``loss_fn``'s count the declared objective's count?
+
+A count in another unit (rows where the loss sums tokens, ``numel`` with padding, the batch
+total for every micro-batch, a leftover ``/ K``) is self-consistent: fullbatch then equals the
+full batch *of that loss*, and verify's comparison passes. Only a declared objective says what
+the count should be. Every ``loss_fn`` call verify makes is recorded, and each micro-batch's
+count is compared with the objective's count of the same rows:
+
+- ``"causal_lm"``: labels that are not ``-100`` after the causal shift (``shift_labels``,
+  when the batch has them, counted as they are);
+- ``"token"``: labels that are not ``-100``, no shift (masked LM, token classification);
+- ``"sample"``: rows whose label is not ``-100`` (one label per row);
+- ``fn(model, micro) -> (loss_sum, count)``: its count, from a forward without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._base._losses import count_tokens
+
+__all__ = ["CHOICES", "OBJECTIVES", "DeclaredCounts"]
+
+OBJECTIVES = ("causal_lm", "token", "sample")
+CHOICES = (
+    "objective='causal_lm' (next-token), 'token' (masked LM, token classification), "
+    "'sample' (one label per row) or objective=fn(model, micro) -> (loss_sum, count)"
+)
+
+
+def _labels(micro: Any, key: str) -> torch.Tensor:
+    value = micro.get(key) if isinstance(micro, Mapping) else None
+    if not isinstance(value, torch.Tensor):
+        keys = sorted(micro) if isinstance(micro, Mapping) else type(micro).__name__
+        raise ValueError(
+            f"objective= counts items from the batch's {key!r} (-100 where ignored); the batch "
+            f"has {keys}. Pass a dict batch with {key!r}, or objective=fn(model, micro) -> "
+            "(loss_sum, count)."
+        )
+    return value
+
+
+def _count(objective: str, micro: Any) -> float:
+    if objective == "causal_lm":
+        if isinstance(micro, Mapping) and isinstance(micro.get("shift_labels"), torch.Tensor):
+            return float(count_tokens(micro["shift_labels"], shift=False))
+        return float(count_tokens(_labels(micro, "labels"), shift=True))
+    labels = _labels(micro, "labels")
+    if objective == "token":
+        return float(count_tokens(labels, shift=False))
+    if labels.dim() != 1:
+        raise ValueError(
+            f"objective='sample' needs one label per row (labels of shape [rows]), got "
+            f"{tuple(labels.shape)}; token labels: objective='token' or 'causal_lm'."
+        )
+    return float((labels != -100).sum())
+
+
+class DeclaredCounts:
+    """Records ``loss_fn``'s count per call and checks it against ``objective``'s.
+
+    >>> import torch, fullbatch as fb
+    >>> batch = {"x": torch.randn(4, 2), "labels": torch.tensor([[1, 2, 3], [4, 5, -100]] * 2)}
+    >>> declared = DeclaredCounts("causal_lm")
+    >>> loss_fn = declared.wrap(lambda m, b: (torch.zeros(()), b["labels"].numel()))
+    >>> _ = loss_fn(None, batch)
+    >>> print(declared.cause(None).split(";")[0])
+    loss_fn counts 12 item(s) where objective='causal_lm' counts 6 (x2)
+    """
+
+    def __init__(self, objective: str | Callable[..., Any]) -> None:
+        if not callable(objective) and objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r} is not known; pass {CHOICES}.")
+        self.objective = objective
+        self._calls: list[tuple[Any, float]] = []
+
+    def wrap(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(model: nn.Module, micro: Any, *args: Any) -> Any:
+            out = loss_fn(model, micro, *args)
+            if isinstance(out, tuple) and len(out) == 2:
+                self._calls.append((micro, float(out[1])))
+            return out
+
+        return recorded
+
+    def _declared(self, model: nn.Module, micro: Any) -> float:
+        if isinstance(self.objective, str):
+            return _count(self.objective, micro)
+        with torch.no_grad():
+            return float(self.objective(model, micro)[1])
+
+    def cause(self, model: nn.Module) -> str | None:
+        """A diagnosis line when a recorded count is not the objective's, else ``None``."""
+        name = f"{self.objective!r}" if isinstance(self.objective, str) else "fn"
+        for micro, got in self._calls:
+            want = self._declared(model, micro)
+            if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
+                continue
+            ratio = f"x{got / want:.3g}" if want else "the objective counts none"
+            return (
+                f"loss_fn counts {got:g} item(s) where objective={name} counts {want:g} "
+                f"({ratio}); a count in another unit (rows where the loss sums tokens, numel "
+                "with padding, the batch total for every micro-batch, a leftover / K) scales "
+                "every step and the weight of each micro-batch. Return the count of the items "
+                "the summed loss contains: fb.causal_lm_loss / fb.cross_entropy_sum return it."
+            )
+        return None
