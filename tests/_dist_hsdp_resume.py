@@ -1,11 +1,19 @@
 """HSDP (2 x 2 mesh) resume, a rank function run inside ``_dist_scale.scale_cases``' single
-4-process group: each rank trains once uninterrupted, once stopped (model, optimizer and
-Accumulator states saved), then rebuilds fresh objects from another initialization, loads the
-states and finishes. The parent compares the two final parameters (bitwise on CPU)."""
+4-process group: each rank trains once uninterrupted, once stopped (model and optimizer saved
+with ``torch.distributed.checkpoint`` as docs/checkpointing.md shows, the Accumulator's state
+per rank), then rebuilds fresh objects from another initialization, loads the states and
+finishes. The parent compares the two final parameters (bitwise on CPU)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import fullbatch as fb
 from _dist_cases import _full_params, make_optimizer, micro_batch
@@ -41,7 +49,10 @@ def hsdp_resume(rank: int, mesh: Any) -> dict[str, Any]:
     def pad() -> Any:
         return data[-1]
 
+    shared = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(shared)  # one checkpoint folder for every rank
     for name, (options, stop) in RESUME_CASES.items():
+        folder = os.path.join(str(shared[0]), name)
         objs = _build(mesh, options, 0, pad)
         _loop(objs, data)
         uninterrupted = _full_params(objs[0])
@@ -50,12 +61,16 @@ def hsdp_resume(rank: int, mesh: Any) -> dict[str, Any]:
         objs = _build(mesh, options, 0, pad)
         assert _loop(objs, data, stop)
         model, opt, acc = objs
-        states = _roundtrip([model.state_dict(), opt.state_dict()], weights_only=False)
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
         acc_state = _roundtrip(acc.state_dict(), weights_only=True)
         acc.close()
         fresh = _build(mesh, options, 7, pad)  # "killed": fresh objects, another initialization
-        fresh[0].load_state_dict(states[0])
-        fresh[1].load_state_dict(states[1])
+        model_state, optim_state = get_state_dict(fresh[0], fresh[1])
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+        set_state_dict(
+            fresh[0], fresh[1], model_state_dict=model_state, optim_state_dict=optim_state
+        )
         fresh[2].load_state_dict(acc_state)
         assert not _loop(fresh, data[acc_state["loader_items"] :])
         fresh[2].close()
@@ -67,4 +82,7 @@ def hsdp_resume(rank: int, mesh: Any) -> dict[str, Any]:
             "done": None if window is None else window["micro_batches_done"],
             "grads": [] if window is None else sorted(window["grads"]),
         }
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(str(shared[0]))
     return out

@@ -83,3 +83,33 @@ def test_fsdp_window_sync_refuses_a_mid_window_state() -> None:
 def test_a_single_process_state_is_refused(wrapper: str) -> None:
     for message in values(run_ranks(cases.refused_world, 2, wrapper)):
         assert "world_size=1" in message and "world_size=2" in message
+
+
+@pytest.mark.fsdp2
+def test_resume_checks_raise_on_every_rank_and_the_right_resume_is_bitwise(tmp_path) -> None:
+    """One 2-rank group (tests/_dist_resume_checks.py): FSDP2 with DCP, a state taken after a
+    padding micro-batch; an older Accumulator state on one rank (another window, or another
+    point of the same window), an optimizer or a model left unloaded on one rank: every rank
+    raises ValueError (none waits for the 10 s process-group timeout); the right resume is
+    bitwise the uninterrupted run on every rank. DDP: an older window's state on one rank.
+    DCP's own optimizer step inside window 0 is let through and changes nothing."""
+    from _dist_resume_checks import resume_checks
+
+    results = run_ranks(resume_checks, 2, str(tmp_path), pg_timeout=10.0, deadline=150.0)
+    expected = {
+        "older_window": "The ranks loaded the states of different windows (acc.steps=1 on "
+        "rank(s) [0], acc.steps=0 on rank(s) [1])",
+        "older_point": "The ranks loaded states from different points of the same window (3 "
+        "micro-batch(es) done on rank(s) [0], 1 micro-batch(es) done on rank(s) [1])",
+        "optimizer_template": "On rank(s) [1]: the optimizer's state",
+        "model_unloaded": "On rank(s) [0]: the model's parameters are not the ones saved",
+        "ddp_older_window": "The ranks loaded the states of different windows (acc.steps=1 on "
+        "rank(s) [0], acc.steps=0 on rank(s) [1])",
+    }
+    for rank, res in enumerate(values(results)):
+        for name, text in expected.items():
+            assert res[name].startswith("ResumeMismatch: "), (rank, name, res[name])
+            assert text in res[name], (rank, name, res[name])
+        assert res["done"] == 3 and res["loader_items"] == 4  # rank 0: 2 real + 1 padding
+        assert torch.equal(res["resumed"], res["uninterrupted"]), rank
+        assert res["dcp_in_window"], rank

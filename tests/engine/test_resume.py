@@ -5,6 +5,7 @@ refused with nothing changed."""
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -235,8 +236,8 @@ def unchanged(acc: fb.Accumulator) -> tuple[Any, ...]:
     [
         ({"world_size": 2}, "world_size=2"),
         ({"rank": 1}, "rank=1"),
-        ({"mode": "micro_batch_size", "window_size": ROWS}, "mode='micro_batch_size'"),
-        ({"window_size": K + 1}, f"window_size={K + 1}"),
+        ({"mode": "micro_batch_size", "window_size": ROWS}, "saved with micro_batch_size=3, "),
+        ({"window_size": K + 1}, f"saved with micro_batches={K + 1}, .* another window"),
         ({"sync": "ddp"}, "sync='ddp'"),
         ({"batchnorm": "window"}, "batchnorm='window'"),
         ({"format": 99}, "format=99"),
@@ -302,8 +303,21 @@ def test_a_loader_that_does_not_match_raises() -> None:
     fresh = build("micro_batch_size")
     for obj, state in zip(fresh, states, strict=True):
         obj.load_state_dict(state)
-    with pytest.raises(RuntimeError, match="only 1 micro-batch"):
+    with pytest.raises(ValueError, match=r"does not start at state\['loader_items'\] = 1"):
         for _window in fresh[3].windows([batch(0, 2)]):  # one micro-batch of 2 rows
+            pass
+
+
+def test_a_loader_that_ends_inside_the_done_micro_batches_raises() -> None:
+    """The right first item, but the loader ends before the micro-batches already done."""
+    states = train(build("micro_batches"), LOADERS["micro_batches"], (1, 2))
+    assert states is not None
+    fresh = build("micro_batches")
+    for obj, state in zip(fresh, states, strict=True):
+        obj.load_state_dict(state)
+    loader = LOADERS["micro_batches"][K : K + 1]
+    with pytest.raises(RuntimeError, match=r"only 1 micro-batch\(es\) but the state was taken"):
+        for _window in fresh[3].windows(loader):
             pass
 
 
@@ -314,3 +328,80 @@ def test_a_scheduler_left_unloaded_raises() -> None:
     acc.load_state_dict(states[3])
     with pytest.raises(RuntimeError, match="load the scheduler's state_dict too"):
         next(iter(acc.windows(LOADERS["micro_batches"][K:])))
+
+
+# -- the micro-batch size may change at a window boundary ---------------------------------------
+
+
+def _f64_objs(size: int) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # saved and loaded as usual
+    return model, opt, sched, fb.Accumulator(model, opt, scheduler=sched, micro_batch_size=size)
+
+
+@pytest.mark.parametrize("new_size", [2, 5])
+def test_micro_batch_size_may_change_at_a_window_boundary(new_size: int) -> None:
+    """Saved after window 1's step with micro_batch_size=3, resumed with another size: the
+    run is the plain float64 full-batch run (normalization is over the whole window; only the
+    rounding of the micro-batch grouping differs)."""
+    data = [{"x": m["x"].double(), "y": m["y"]} for m in LOADERS["micro_batch_size"]]
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT)).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for item in data:
+        loss = nn.functional.cross_entropy(ref(item["x"]), item["y"], reduction="sum")
+        ref_opt.zero_grad()
+        (loss / (item["y"] != -100).sum()).backward()
+        ref_opt.step()
+
+    first = _f64_objs(ROWS)
+    states = train(first, data, (1, None))
+    assert states is not None and states[3]["window"] is None
+    resumed = _f64_objs(new_size)
+    for obj, state in zip(resumed, states, strict=True):
+        obj.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert train(resumed, data[states[3]["loader_items"] :]) is None
+    assert resumed[3].steps == len(data) and resumed[3].micro_batch_size == new_size
+    for p, q in zip(resumed[0].parameters(), ref.parameters(), strict=True):
+        assert ((p - q).abs().max() / q.abs().max()).item() < 1e-13
+
+
+def test_micro_batch_size_change_inside_a_window_is_refused() -> None:
+    state = mid_window_state("micro_batch_size")  # micro_batch_size=3, 2 micro-batches done
+    model = make_model()
+    acc = fb.Accumulator(model, torch.optim.AdamW(model.parameters()), micro_batch_size=2)
+    before = unchanged(acc)
+    match = (
+        r"saved with micro_batch_size=3, but this Accumulator has micro_batch_size=2, and it "
+        r"was taken inside a window, after 2 micro-batch\(es\)"
+    )
+    with pytest.raises(ValueError, match=match) as caught:
+        acc.load_state_dict(state)
+    assert "window_size" not in str(caught.value)
+    assert unchanged(acc) == before
+
+
+def test_micro_batches_change_is_refused_even_at_a_window_boundary() -> None:
+    """micro_batches=K is the window: another K is another batch, not a micro-batch size."""
+    states = train(build("micro_batches"), LOADERS["micro_batches"], (1, None))
+    assert states is not None and states[3]["window"] is None
+    model = make_model()
+    acc = fb.Accumulator(model, torch.optim.AdamW(model.parameters()), micro_batches=K + 1)
+    with pytest.raises(ValueError, match=rf"micro_batches={K}, but .* micro_batches={K + 1}"):
+        acc.load_state_dict(states[3])
+    assert unchanged(acc) == (0, 0, None, None)
+
+
+def test_a_resumed_loader_shorter_than_a_window_is_not_warned_about() -> None:
+    """Resumed inside the partial last window, the loader holds fewer than K items: right for
+    a resume (the loader-length mistake check stays quiet), and bitwise the uninterrupted run."""
+    want, _ = uninterrupted("micro_batches")
+    assert len(LOADERS["micro_batches"]) % K == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = resumed("micro_batches", (3, 1))
+    assert_bitwise(got[0], want)

@@ -298,11 +298,16 @@ class Accumulator:
             RuntimeError: gradients are present when a window starts, the previous window
                 was neither stepped nor discarded, ``scheduler.step()`` was called outside
                 fullbatch, or the Accumulator is closed.
-            ValueError: a loader item cannot be split, or a rank has to pad and cannot.
+            ValueError: a loader item cannot be split, or a rank has to pad and cannot; a
+                loaded state does not fit the loader, model, optimizer or scheduler, or the
+                other ranks' states (on every rank, before anything changes).
         """
         self._check_usable()
         check_loader(loader)
-        self._engine.mistakes.loader(loader, micro_batches=self._engine.micro_batches)
+        engine = self._engine
+        engine.mistakes.loader(
+            loader, micro_batches=engine.micro_batches, resuming=engine.pending is not None
+        )
         return Windows(
             self._iterate(loader),
             loader,
@@ -324,7 +329,9 @@ class Accumulator:
         stream = self._resume.stream(loader)
         index = 0
         while True:
-            if engine.guard.scheduler_moved():
+            # A loaded scheduler moved legitimately: the window start checks it (every rank).
+            resuming = engine.pending is not None or engine.start_problems
+            if not resuming and engine.guard.scheduler_moved():
                 raise RuntimeError(engine.guard.scheduler_message())
             loader_items = self._resume.taken()
             feed, first_item = self._next_feed(stream)
@@ -458,9 +465,17 @@ class Accumulator:
         the RNG state is restored before the first micro-batch computed. On CPU the result is
         bitwise the uninterrupted run's.
 
+        The first window checks, on every rank together and before anything changes, that
+        the model's parameters and the optimizer's state are the ones saved with the state
+        (integer sums per tensor), the scheduler's and the loader's positions, and that every
+        rank loaded the state of the same window and point in it: a mismatch on any rank
+        raises ``ValueError`` on every rank. The micro-batch size (``micro_batch_size`` or
+        ``micro_batch_tokens``) may differ from the saving run's at a window boundary.
+
         Raises:
             ValueError: the state is from another world size or rank, sync kind, model
-                (parameter names or shapes), window mode or size; nothing is changed.
+                (parameter names or shapes), mode, ``micro_batches``, or micro-batch size
+                inside a window; nothing is changed.
             RuntimeError: a window is open.
         """
         self._resume.load_state_dict(state)

@@ -6,16 +6,21 @@ dict); :mod:`fullbatch._engine._resume` puts them together for ``acc.state_dict(
 
 The data a state expects is identified by :func:`item_key`: the fingerprint of the loader item
 at ``loader_items`` (the interrupted window's first item, or the next window's), ``"end"`` when
-the loader had no item left there. A resumed loader whose first item differs is refused.
+the loader had no item left there. A resumed loader whose first item differs is refused. The
+model and the optimizer a state expects are identified by :func:`fingerprints`: integer sums of
+each trained parameter and of its optimizer state (:mod:`fullbatch._engine._resume_check`
+compares them).
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
 from typing import Any
 
 import torch
 
-from fullbatch._base._fingerprint import fingerprint
+from fullbatch._base._fingerprint import fingerprint, tensor_sums
 from fullbatch._base._rng import RngState
 from fullbatch._engine._batchnorm import _Moments
 from fullbatch._engine._core import Engine
@@ -26,6 +31,7 @@ __all__ = [
     "check_grads",
     "check_length",
     "check_position",
+    "fingerprints",
     "identity",
     "item_key",
     "optimizer_progress",
@@ -78,6 +84,67 @@ def optimizer_progress(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(len(states)), max(steps) if steps else -1.0]
 
 
+# -- the model and the optimizer: which parameters and optimizer state a state expects -------
+
+_MASK = (1 << 64) - 1
+
+
+def fingerprints(engine: Engine) -> dict[str, torch.Tensor]:
+    """``{"model": [n, 2], "optimizer": [n, 2]}`` int64: per trained parameter, the
+    :func:`tensor_sums` of the parameter (FSDP2: this rank's shard) and of its optimizer state
+    (every entry, by key). A few reductions per tensor where it lives, one host copy each.
+
+    >>> import fullbatch as fb
+    >>> model = torch.nn.Linear(2, 1)
+    >>> acc = fb.Accumulator(model, torch.optim.SGD(model.parameters()), micro_batches=2)
+    >>> {k: tuple(v.shape) for k, v in fingerprints(acc._engine).items()}
+    {'model': (2, 2), 'optimizer': (2, 2)}
+    """
+    params = engine.params
+    model = _to_host([tensor_sums(p) for p in params])
+    entries: list[tuple[int, str, Any]] = []
+    for i, p in enumerate(params):
+        state = engine.optimizer.state.get(p) or {}
+        entries.extend((i, str(key), state[key]) for key in sorted(state, key=str))
+    tensors = [v for _, _, v in entries if isinstance(v, torch.Tensor)]
+    sums = iter(_to_host([tensor_sums(v) for v in tensors]))
+    rows = [[0, 0] for _ in params]
+    for i, key, value in entries:
+        pair = next(sums) if isinstance(value, torch.Tensor) else _number_sums(value)
+        salt = zlib.crc32(key.encode())
+        rows[i] = [
+            (h * 1_000_003 + salt + int(x)) & _MASK for h, x in zip(rows[i], pair, strict=True)
+        ]
+    signed = [[x - (1 << 64) if x >> 63 else x for x in row] for row in rows]
+    optimizer = torch.tensor(signed, dtype=torch.int64).reshape(len(params), 2)
+    return {
+        "model": torch.tensor(model, dtype=torch.int64).reshape(len(params), 2),
+        "optimizer": optimizer,
+    }
+
+
+def _to_host(pairs: list[torch.Tensor]) -> list[list[int]]:
+    """Many 2-element tensors as lists of ints: one stack and one copy per device."""
+    out: list[list[int]] = [[] for _ in pairs]
+    devices: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(pairs):
+        devices.setdefault(t.device, []).append(i)
+    for indices in devices.values():
+        host = torch.stack([pairs[i] for i in indices]).cpu().tolist()
+        for i, row in zip(indices, host, strict=True):
+            out[i] = row
+    return out
+
+
+def _number_sums(value: Any) -> list[int]:
+    """A non-tensor optimizer state entry (a step count, a flag) as two integers."""
+    if isinstance(value, bool | int | float):
+        bits = struct.unpack("<q", struct.pack("<d", float(value)))[0]
+        return [bits, bits]
+    code = zlib.crc32(repr(value).encode())
+    return [code, code]
+
+
 # -- the data: which loader item a state expects next ----------------------------------------
 
 
@@ -109,7 +176,7 @@ def wrong_position(pending: dict[str, Any], first_item: Any, ranks: list[int]) -
         f"{where} ({here}). Resuming from another position trains on other data (items "
         f"skipped or seen twice) without any error. Give acc.windows() the loader from item {n} "
         f"on, e.g. itertools.islice(loader, {n}, None) or a sampler resumed at that item (each "
-        "rank its own). Nothing was changed: fix the loader and call acc.windows() again."
+        "rank its own)."
     )
 
 

@@ -67,6 +67,7 @@ class Engine:
     closed: bool = False
     window: WindowState | None = None  # the open window: set by open_window, cleared by end
     pending: dict[str, Any] | None = None  # a loaded state, restored into the next window
+    start_problems: int = 0  # resume problems found before the next window start (_resume_check)
     pack: bool = False  # pack=True: micro-batches are packed rows (_base._packed)
     pack_check: Any = None  # pack=True: the first window's packing check (_pack_check)
 

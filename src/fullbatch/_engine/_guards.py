@@ -4,7 +4,8 @@ Users migrate by deleting code, and sometimes they miss a line:
 
 - a stray ``optimizer.step()`` inside the window steps with an un-normalized, partial gradient:
   an optimizer step pre-hook refuses any step that fullbatch did not start while a window is
-  open (before anything changes);
+  open (before anything changes), but DCP's own zero-learning-rate step that initialises an
+  optimizer's state (:mod:`fullbatch._engine._dcp`);
 - a stray ``optimizer.zero_grad()`` (or ``model.zero_grad()``) between two micro-batches throws
   away the window's gradient so far, and a stray ``loss.backward()`` or ``clip_grad_norm_``
   mixes in unnormalized or clipped terms: after every backward one *sentinel* gradient is
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fullbatch._engine._dcp import DcpInitStep
 
 __all__ = ["LoopGuard"]
 
@@ -69,11 +72,13 @@ class LoopGuard:
         self._ids = {id(p) for p in params}
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         self._any_handle: Any = None  # the global hook, while a window is open
+        self._dcp = DcpInitStep(optimizer, params)
 
     # -- optimizer.step ----------------------------------------------------------------------
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.window_open and not self.stepping:
+        stray = self.window_open and not self.stepping
+        if stray and not self._dcp.allow(optimizer, self.window_index):
             raise RuntimeError(
                 f"optimizer.step() was called inside window {self.window_index}, before "
                 f"window.step(): the gradient is not yet normalized nor complete. {_STEP_FIX}"
@@ -183,6 +188,7 @@ class LoopGuard:
 
     def close(self) -> None:
         self._handle.remove()
+        self._dcp.close()
         self.end_window()
         self._iterations = 1
         self.end_iteration()

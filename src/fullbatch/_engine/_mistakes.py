@@ -176,10 +176,16 @@ class MistakeChecks:
 
     # -- hooks called by the accumulator and the window ---------------------------------------
 
-    def loader(self, loader: Any, *, micro_batches: int | None) -> None:
-        """``acc.windows(loader)`` was called: check the loader against the window size."""
+    def loader(self, loader: Any, *, micro_batches: int | None, resuming: bool = False) -> None:
+        """``acc.windows(loader)`` was called: check the loader against the window size.
+
+        ``resuming``: a state is loaded, so the loader holds what is left of the run (it may
+        rightly be shorter than one window); its length says nothing about its items.
+        """
         self._loader_items = len(loader) if isinstance(loader, Sized) else None
         found = loader_mistakes(loader, micro_batches=micro_batches, micro_batch_size=self._size)
+        if resuming:
+            found.pop("items", None)
         for key, message in found.items():
             self._warn_once(key, message)
 

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fullbatch._engine._checkpoint import (
-    check_length,
-    check_position,
-    restore_window,
-    wrong_position,
-)
+from fullbatch._engine._checkpoint import param_names, restore_window
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
-from fullbatch._engine._start import DataMismatch, start_window
+from fullbatch._engine._resume_check import ResumeCheck
+from fullbatch._engine._start import start_window
 from fullbatch._engine._state import Phase, WindowState
 
 __all__ = ["end_window", "open_window"]
@@ -37,22 +33,22 @@ def open_window(
     """Open window ``index`` on ``feed``: the window-start exchange, then the window's state.
 
     ``first_item`` is the window's first loader item on this rank (None: it has none). A
-    loaded state (``engine.pending``) is checked against it before anything changes, then
+    loaded state (``engine.pending``) is checked against it and the objects around it, on
+    every rank, before anything changes (:mod:`fullbatch._engine._resume_check`), then
     restored into the window. Returns None at the end of the data, False for a dropped window.
 
     Raises:
-        ValueError: a loaded state expects another item at ``loader_items`` on some rank.
-        RuntimeError: the window is shorter than the micro-batches a loaded state has done.
+        ResumeMismatch: (a ``ValueError`` and a ``RuntimeError``) on every rank, when a loaded
+            state does not fit on some rank: the loader's position, the model's parameters,
+            the optimizer's or the scheduler's state, the other ranks' states.
     """
     pending = engine.pending
-    if pending is not None and pending["window"] is not None:
-        check_length(pending["window"], feed)
-    data_ok = pending is None or check_position(pending, first_item)
-    try:
-        start = start_window(engine, feed, stream, index=index, data_ok=data_ok)
-    except DataMismatch as error:
-        assert pending is not None
-        raise ValueError(wrong_position(pending, first_item, error.ranks)) from None
+    names = param_names(engine) if pending is not None else []
+    resume = ResumeCheck.local(engine, names, feed, first_item)
+    start = start_window(engine, feed, stream, index=index, resume=resume)
+    engine.start_problems = 0
+    if pending is not None:
+        engine.guard.scheduler_stepped()  # loading the scheduler's state moved it, not the user
     if start is None or start is False:
         return start
     if engine.batchnorm is not None:

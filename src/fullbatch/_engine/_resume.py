@@ -10,12 +10,16 @@ What a resumed run needs beyond the model, optimizer, scaler and scheduler state
 - the RNG state (CPU, and CUDA when initialized), restored just before the first micro-batch
   the resumed run computes, so building fresh objects in between changes nothing;
 - the counters ``steps`` and ``skipped_windows``;
-- what the state expects of the objects around it, checked at ``acc.windows(loader)`` before
-  anything changes: the item at ``loader_items`` (a fingerprint; a loader at another position
-  raises ``ValueError``), the optimizer's progress (parameters with state, step count: an
-  optimizer whose state was not loaded raises), the scheduler's ``last_epoch``. A scheduler
-  that moved before the first window of an Accumulator that loaded no state means the
-  scheduler's state was loaded and the Accumulator's was not: that raises too.
+- what the state expects of the objects around it, checked at the first window of
+  ``acc.windows(loader)`` before anything changes, on every rank together
+  (:mod:`fullbatch._engine._resume_check`): the item at ``loader_items`` (a fingerprint; a
+  loader at another position raises ``ValueError``), the model's trained parameters and the
+  optimizer's state (integer sums of every tensor, and the optimizer's progress: a model or
+  an optimizer whose state was not loaded, or was loaded from another checkpoint, raises),
+  the scheduler's ``last_epoch``, and that every rank loaded the state of the same window and
+  point in it. A scheduler that moved before the first window of an Accumulator that loaded
+  no state means the scheduler's state was loaded and the Accumulator's was not: that raises
+  too.
 
 The position inside the window is the engine's open window (``engine.window``): a state taken
 after a micro-batch's ``window.backward`` resumes after that micro-batch. Taken while a micro-
@@ -26,9 +30,12 @@ it); each rank saves its own. FSDP2 gradients are DTensor shards: each rank save
 shard, and loading checks the mesh size and placements; with ``fsdp_sync="window"`` FSDP2 holds
 the window's unsharded gradients itself, so a state inside such a window raises
 (``"micro_batch"`` works). A state from another world size, rank, model (parameter names and
-shapes), sync kind, window mode or ``batchnorm=`` is refused with ``ValueError`` before
-anything changes. Restored gradients re-arm the loop guard's sentinel: they are fullbatch's
-own, not a stray backward.
+shapes), sync kind or ``batchnorm=`` is refused with ``ValueError`` before anything changes;
+so is one from another micro-batch size inside a window (at a window boundary
+``micro_batch_size`` / ``micro_batch_tokens`` may change: the windows are the loader's items
+either way, and normalization is over the whole window), or from another ``micro_batches``
+(that is another window). Restored gradients re-arm the loop guard's sentinel: they are
+fullbatch's own, not a stray backward.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any
 from fullbatch._base._rng import RngState
 from fullbatch._engine._checkpoint import (
     check_grads,
+    fingerprints,
     identity,
     item_key,
     optimizer_progress,
@@ -47,6 +55,7 @@ from fullbatch._engine._checkpoint import (
 )
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Stream
+from fullbatch._engine._resume_check import NO_STATE
 from fullbatch._engine._state import WindowState
 
 __all__ = ["Resume"]
@@ -80,23 +89,21 @@ class Resume:
         self._counted: _Counted | None = None
         self._stream: Stream | None = None
         self._base = 0  # loader_items the current acc.windows(loader) started at
+        self._scheduler_checked = False  # the first acc.windows() found the scheduler unmoved
 
     # -- the loader ------------------------------------------------------------------------------
 
     def stream(self, loader: Any) -> Stream:
         """The stream of a new ``acc.windows(loader)``, counted from the loaded position.
 
-        Raises:
-            RuntimeError: a loaded state does not match the optimizer or the scheduler, or
-                the scheduler moved before the first window with no state loaded.
+        A scheduler that moved before the first window with no state loaded is noted here
+        and raised, on every rank, at the window start with the other resume checks.
         """
         engine = self._engine
         pending = engine.pending
-        if pending is not None:
-            self._check_objects(pending)
-            engine.guard.scheduler_stepped()  # loading the scheduler's state moved it, not the user
-        elif self._stream is None and engine.guard.scheduler_moved():
-            raise RuntimeError(self._not_loaded_message())
+        moved = pending is None and not self._scheduler_checked and engine.guard.scheduler_moved()
+        engine.start_problems = NO_STATE if moved else 0
+        self._scheduler_checked = not moved
         self._base = pending["loader_items"] if pending is not None else 0
         self._counted = _Counted(loader)
         self._stream = Stream(self._counted)
@@ -107,42 +114,6 @@ class Resume:
         if self._counted is None or self._stream is None:
             return self._base
         return self._base + self._counted.taken - int(self._stream.holds_peeked)
-
-    def _check_objects(self, pending: dict[str, Any]) -> None:
-        engine = self._engine
-        epoch = engine.guard._scheduler_epoch()
-        if epoch != pending["scheduler_epoch"]:
-            raise RuntimeError(
-                f"the scheduler's last_epoch is {epoch} but was {pending['scheduler_epoch']} "
-                "when the state was saved: load the scheduler's state_dict too "
-                "(scheduler.load_state_dict(...)) before acc.windows(loader)."
-            )
-        saved = pending.get("optimizer")
-        now = optimizer_progress(engine.optimizer)
-        if saved is not None and [float(v) for v in saved] != now:
-            raise RuntimeError(
-                "the optimizer's state does not match the loaded Accumulator state (acc.steps "
-                f"= {engine.counters.steps}): the optimizer holds state for {int(now[0])} "
-                "parameter(s)"
-                f"{_steps(now)}, the run that saved it held state for {int(saved[0])}"
-                f"{_steps(saved)}. Load the optimizer's state too "
-                "(optimizer.load_state_dict(...)), saved at the same moment, before "
-                "acc.windows(loader): a fresh optimizer (no momentum, no Adam moments, step 0) "
-                "trains differently from the uninterrupted run. Nothing was changed."
-            )
-
-    def _not_loaded_message(self) -> str:
-        guard = self._engine.guard
-        return (
-            f"the scheduler's last_epoch moved from {guard._epoch} to "
-            f"{guard._scheduler_epoch()} after this Accumulator was built and before its first "
-            "window, but no Accumulator state was loaded: the scheduler's state was loaded "
-            "(scheduler.load_state_dict) and the Accumulator's was not. Load it too, before "
-            "acc.windows(loader): acc.load_state_dict(state) with the state saved by "
-            "acc.state_dict() next to the scheduler's; it holds the step count and the loader "
-            "position (state['loader_items']). Nothing was changed. (If you stepped the "
-            "scheduler yourself before training, build the Accumulator after that.)"
-        )
 
     # -- state_dict ------------------------------------------------------------------------------
 
@@ -164,6 +135,7 @@ class Resume:
             "loss_scale": engine.loss_scale,
             "scheduler_epoch": engine.guard._scheduler_epoch(),
             "optimizer": optimizer_progress(engine.optimizer),
+            "fingerprints": fingerprints(engine),
             "loader_items": window.loader_items if window is not None else self.taken(),
             "next_item": self._next_item(window),
             "rng": RngState().to_dict(),
@@ -225,7 +197,8 @@ class Resume:
         engine.counters.steps = int(state["steps"])
         engine.counters.skipped_windows = int(state["skipped_windows"])
         engine.loss_scale = None if state["loss_scale"] is None else float(state["loss_scale"])
-        engine.pending = dict(state)
+        mine = identity(engine, self._names)  # a micro-batch size changed at a boundary: ours
+        engine.pending = {**state, "mode": mine["mode"], "window_size": mine["window_size"]}
 
     def _check(self, state: Any) -> None:
         """Every check before anything changes: a refused state leaves the Accumulator as it was."""
@@ -237,14 +210,16 @@ class Resume:
                 + "."
             )
         mine = identity(self._engine, self._names)
-        for key in ("world_size", "rank", "sync", "mode", "window_size", "batchnorm"):
+        size = _size_problem(state, mine)
+        if size is not None:
+            raise ValueError(size)
+        for key in ("world_size", "rank", "sync", "batchnorm"):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"this state was saved with {key}={state.get(key)!r}, but this Accumulator "
                     f"has {key}={mine[key]!r}; a window's gradients and position only make sense "
                     "in the same setup. Resume with the same world size (each rank loads its own "
-                    "state), wrapper, micro_batches / micro_batch_size and batchnorm= as the run "
-                    "that saved it."
+                    "state), wrapper and batchnorm= as the run that saved it."
                 )
         if state.get("params") != mine["params"] or state.get("shapes") != mine["shapes"]:
             diff = _first_difference(state, mine)
@@ -257,8 +232,54 @@ class Resume:
             check_grads(self._engine, self._names, window)
 
 
-def _steps(progress: Any) -> str:
-    return f" at step {int(progress[1])}" if progress[1] >= 0 else ""
+def _size_problem(state: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    """Why the state's window sizes do not fit this Accumulator's (None: they fit).
+
+    ``micro_batches=K`` makes a window of K loader items: another K is another window. With
+    ``micro_batch_size`` / ``micro_batch_tokens`` every loader item is a window whatever its
+    micro-batches: at a window boundary their size may change (normalization is over the whole
+    window); inside a window the micro-batches done would be cut differently.
+    """
+    theirs, ours = (
+        (state.get("mode"), state.get("window_size")),
+        (mine["mode"], mine["window_size"]),
+    )
+    if theirs == ours:
+        return None
+    saved, here = _public(*theirs), _public(*ours)
+    head = f"this state was saved with {saved}, but this Accumulator has {here}"
+    if theirs[0] == ours[0] == "micro_batches":
+        return (
+            f"{head}: micro_batches=K makes each window K loader items, so another K is "
+            "another window (another batch, another optimization), not another micro-batch "
+            f"size. Resume with {saved}."
+        )
+    if "micro_batches" in (theirs[0], ours[0]):
+        return (
+            f"{head}: with micro_batches each loader item is a micro-batch, with "
+            "micro_batch_size or micro_batch_tokens each is a whole window, so "
+            f"state['loader_items'] means another position. Resume with {saved}."
+        )
+    window = state.get("window")
+    if window is None:
+        return None  # a window boundary: the micro-batch size may change
+    return (
+        f"{head}, and it was taken inside a window, after {window['micro_batches_done']} "
+        "micro-batch(es): the window's micro-batches would be cut differently, so the ones "
+        f"already done cannot be skipped. Resume with {saved}; the micro-batch size may change "
+        "at a window boundary (a state taken after window.step()), where normalization over "
+        "the whole window makes it safe."
+    )
+
+
+def _public(mode: Any, size: Any) -> str:
+    """``micro_batches=4``, ``micro_batch_size=3, sort_rows=True``, ``micro_batch_tokens=64``."""
+    mode = str(mode)
+    if mode == "micro_batches":
+        return f"micro_batches={size!r}"
+    if mode.startswith("micro_batch_tokens"):
+        return f"micro_batch_tokens={size!r}"
+    return f"micro_batch_size={size!r}" + (", sort_rows=True" if "sort_rows" in mode else "")
 
 
 def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:

@@ -2,22 +2,23 @@
 
 One tiny all-gather under DDP/FSDP2 (none locally) carries, per rank: its real micro-batches,
 whether its window is full (``partial_window="drop"``), whether it can pad, an estimate of its
-items (the first window's ``c``), whether gradients are present, and its ``counts=`` totals.
-From it every rank decides the same things: the end of the data, a dropped tail, how many
-padding micro-batches each rank runs, ``c`` and ``window.totals``.
+items (the first window's ``c``), whether gradients are present, its resume checks
+(:mod:`fullbatch._engine._resume_check`) and its ``counts=`` totals. From it every rank
+decides the same things: a resume that does not fit (every rank raises), the end of the data,
+a dropped tail, how many padding micro-batches each rank runs, ``c`` and ``window.totals``.
 
 Reading the gathered table is a host synchronization when the backend keeps it on an
 accelerator (NCCL); locally and under gloo it is a host tensor. On an accelerator every rank
 reads it when a decision before the first backward needs everyone's row: the first window of
-``acc.windows(loader)`` (a rank with nothing to pad with fails there, on every rank; after it
-every rank can pad), the first ``c``, a loaded state's position check, ``partial_window=
-"drop"``, equal micro-batch counts (FSDP2, DDP's static graph), ``counts=`` (``window.totals``
-are numbers) and "auto". Otherwise only a rank without a real micro-batch (to pad, or to end
-with the others) or with gradients already present (to refuse them) reads it; the others go on
-without waiting. A mistake on one rank only then fails there first, and the others at their
-next collective (within the process-group timeout), as any rank's error does; the same
-mistake on every rank (the usual case: the same code runs everywhere) fails everywhere when the
-window opens.
+``acc.windows(loader)`` (a rank with nothing to pad with fails there, on every rank, and so do
+the resume checks; after it every rank can pad), the first ``c``, ``partial_window="drop"``,
+equal micro-batch counts (FSDP2, DDP's static graph), ``counts=`` (``window.totals`` are
+numbers) and "auto". Otherwise only a rank without a real micro-batch (to pad, or to end with
+the others), with gradients already present or with a resume problem (to refuse them) reads
+it; the others go on without waiting. A mistake on one rank only then fails there first, and
+the others at their next collective (within the process-group timeout), as any rank's error
+does; the same mistake on every rank (the usual case: the same code runs everywhere) fails
+everywhere when the window opens.
 """
 
 from __future__ import annotations
@@ -30,26 +31,14 @@ import torch
 from fullbatch._base._normalize import check_count, estimate_items, power_of_two_scale
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
+from fullbatch._engine._resume_check import WIDTH, ResumeCheck
 
-__all__ = ["DataMismatch", "Start", "start_window"]
+__all__ = ["Start", "start_window"]
 
-# Slots of the window-start all-gather: one row per rank; then the counts= totals and the
-# number of bad counts among them.
-_REAL, _FULL, _CAN_PAD, _HINT, _GRADS, _DATA_OK = range(6)
-
-_GRADS_PRESENT = (
-    "gradients are already present when a window starts; fullbatch accumulates from zero. "
-    "Call optimizer.zero_grad(set_to_none=True) before the loop, or window.discard() to "
-    "abandon a window."
-)
-
-
-class DataMismatch(ValueError):
-    """Some rank's loader is not where the resumed state expects it (``ranks``)."""
-
-    def __init__(self, ranks: list[int]) -> None:
-        super().__init__(f"rank(s) {ranks} resumed from the wrong loader position")
-        self.ranks = ranks
+# Slots of the window-start all-gather: one row per rank; the resume checks' WIDTH slots
+# follow, then the counts= totals and the number of bad counts among them.
+_REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
+_RESUME = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +64,12 @@ def _everyone_reads(engine: Engine, index: int) -> bool:
 
 
 def start_window(
-    engine: Engine, feed: Feed, stream: Stream, *, index: int, data_ok: bool = True
+    engine: Engine, feed: Feed, stream: Stream, *, index: int, resume: ResumeCheck
 ) -> Start | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
-    ``data_ok``: this rank's first item is the one a resumed state expects; when any rank's is
-    not, every rank raises :class:`DataMismatch` (before anything changes).
+    ``resume``: this rank's resume checks; when any rank's fails, every rank raises
+    :class:`~fullbatch._engine._resume_check.ResumeMismatch` (before anything changes).
 
     Returns None at the end of the data, False for a dropped window, else :class:`Start`.
     """
@@ -97,7 +86,7 @@ def start_window(
         float(can_pad),
         hint,
         float(grads),
-        float(data_ok),
+        *resume.row(),
     ]
     names = list(engine.counts or {})
     if sync.group is None:
@@ -110,21 +99,26 @@ def start_window(
             local = _local_totals(engine, real).to(sync.device, non_blocking=True)
             mine = torch.cat([mine, local])
         gathered = sync.all_gather(mine)
-        if real and not grads and not _everyone_reads(engine, index):
+        quiet = not grads and not resume.problems
+        if real and quiet and not _everyone_reads(engine, index):
             assert engine.loss_scale is not None  # else everyone reads
             return Start(engine.loss_scale, None)  # nothing to decide on this rank
         table = gathered.tolist()  # the window start's one read (a host tensor on gloo)
     rows = [r[: len(row)] for r in table]
-    wrong = [rank for rank, r in enumerate(rows) if not r[_DATA_OK]]
-    if wrong:
-        raise DataMismatch(wrong)
+    need = _need(engine, rows)
+    have = [int(r[_REAL]) + n for r, n in zip(rows, need, strict=True)]
+    resume.verdict([r[_RESUME : _RESUME + WIDTH] for r in rows], have)
     if not any(r[_REAL] for r in rows):
         return None
     if any(r[_GRADS] for r in rows):
-        raise RuntimeError(_GRADS_PRESENT)
+        raise RuntimeError(
+            "gradients are already present when a window starts; fullbatch accumulates "
+            "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
+            "window.discard() to abandon a window."
+        )
     if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
         return False
-    _pad(engine, feed, rows, stream)
+    _pad(engine, feed, rows, stream, need)
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
     totals = _totals(names, [r[len(row) :] for r in table]) if names else None
@@ -143,13 +137,20 @@ def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:
     return dict(zip(names, sums, strict=True))
 
 
-def _pad(engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream) -> None:
-    mine = engine.sync.rank
+def _need(engine: Engine, rows: list[list[float]]) -> list[int]:
+    """The padding micro-batches each rank runs in this window."""
     if engine.sync.equal_micro_batches:
-        need = [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-    elif engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
-        need = [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
-    else:
+        return [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
+    if engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
+        return [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
+    return [0 for _ in rows]
+
+
+def _pad(
+    engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream, need: list[int]
+) -> None:
+    mine = engine.sync.rank
+    if not any(need):
         return
     stuck = [
         rank for rank, (n, r) in enumerate(zip(need, rows, strict=True)) if n and not r[_CAN_PAD]
