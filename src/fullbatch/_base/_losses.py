@@ -54,38 +54,54 @@ def _check_not_shifted(logits: torch.Tensor, labels: torch.Tensor) -> None:
         )
 
 
-def _check_labels(labels: torch.Tensor, ignore_index: int, shift: bool) -> None:
+def _check_labels(
+    labels: torch.Tensor, ignore_index: int, shift: bool, *, by_loss: bool = False
+) -> None:
     """Refuse negative labels other than ``ignore_index`` (checked where it costs no sync).
 
     A ``-1`` usually means ignored targets written for ``ignore_index=-1`` (nanoGPT,
     LLMs-from-scratch): counted as items and out of range for cross-entropy. On CPU the check
-    raises this message; on accelerators it is an asynchronous device assertion (a host
-    check would stall the device queue at every micro-batch).
+    raises this message; on accelerators, and inside ``torch.compile``, it is an asynchronous
+    device assertion (a host check would stall the device queue at every micro-batch, and
+    break the compiled graph). ``by_loss``: the caller runs ``F.cross_entropy``, which refuses
+    such labels itself on CPU (``IndexError``); the message is made only then
+    (:func:`_label_error`), so the check costs nothing per micro-batch.
     """
     if labels.is_floating_point() or labels.is_complex():
         raise ValueError(
             f"labels must hold integer class indices, got dtype {labels.dtype}; for soft "
             "targets compute the summed loss yourself and pass its item count."
         )
-    bad = (labels < 0) & (labels != ignore_index)
-    if labels.device.type != "cpu":
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        bad = (labels < 0) & (labels != ignore_index)
         torch._assert_async(~bad.any(), "labels hold negative values other than ignore_index")
         return
-    if bool(bad.any()):
-        value = int(labels[bad][0])
-        recipe = (
-            "If your targets are already shifted (targets[t] is input[t + 1], as in nanoGPT "
-            "and LLMs-from-scratch), use fb.cross_entropy_sum(logits, targets, "
-            f"ignore_index={value}) and fb.count_tokens(targets, ignore_index={value}, "
-            "shift=False): they do not shift again."
-            if shift
-            else ""
-        )
-        raise ValueError(
-            f"labels contain {value}, which is neither a class index nor "
-            f"ignore_index={ignore_index}. If {value} marks ignored targets, pass "
-            f"ignore_index={value}. {recipe}".rstrip()
-        )
+    if by_loss:
+        return
+    error = _label_error(labels, ignore_index, shift)
+    if error is not None:
+        raise error
+
+
+def _label_error(labels: torch.Tensor, ignore_index: int, shift: bool) -> ValueError | None:
+    """The error for a negative label other than ``ignore_index`` in ``labels``, if any."""
+    bad = (labels < 0) & (labels != ignore_index)
+    if not bool(bad.any()):
+        return None
+    value = int(labels[bad][0])
+    recipe = (
+        "If your targets are already shifted (targets[t] is input[t + 1], as in nanoGPT "
+        "and LLMs-from-scratch), use fb.cross_entropy_sum(logits, targets, "
+        f"ignore_index={value}) and fb.count_tokens(targets, ignore_index={value}, "
+        "shift=False): they do not shift again."
+        if shift
+        else ""
+    )
+    return ValueError(
+        f"labels contain {value}, which is neither a class index nor "
+        f"ignore_index={ignore_index}. If {value} marks ignored targets, pass "
+        f"ignore_index={value}. {recipe}".rstrip()
+    )
 
 
 def count_tokens(
@@ -128,7 +144,8 @@ def cross_entropy_sum(
     >>> round(loss_sum.item(), 4), n.item()
     (2.7726, 2)
     """
-    _check_labels(labels, ignore_index, shift)
+    given = labels
+    _check_labels(labels, ignore_index, shift, by_loss=True)
     if shift:
         _check_not_shifted(logits, labels)
         logits, labels = _shifted(logits, labels)
@@ -136,7 +153,15 @@ def cross_entropy_sum(
     dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_logits = logits.reshape(-1, logits.shape[-1]).to(dtype)
     flat_labels = labels.reshape(-1)
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    try:
+        loss_sum = F.cross_entropy(
+            flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
+        )
+    except IndexError:  # a target out of range, on CPU: say why if it is a stray negative
+        error = _label_error(given, ignore_index, shift)
+        if error is None:
+            raise
+        raise error from None
     return loss_sum, (flat_labels != ignore_index).sum()
 
 

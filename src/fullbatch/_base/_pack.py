@@ -36,6 +36,7 @@ import torch
 
 from fullbatch._base._autosize import AutoSize
 from fullbatch._base._split import collate_rows, count_rows, split_rows
+from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
 __all__ = ["TOKEN_KEYS", "Lengths", "Packer", "make_splitter"]
@@ -153,12 +154,16 @@ class Packer:
             check = {}
         order = torch.sort(lengths, descending=True, stable=True).indices
         sizes = self._group(lengths[order].tolist(), width if not right_padded else None)
+        placed = RowOrder(order)  # on each device once, not per micro-batch
+        cuts: list[tuple[str, torch.Tensor]] = []
         micros, start = [], 0
         for size in sizes:
-            idx = order[start : start + size]
-            keep = width if not right_padded else max(int(lengths[idx].max()), 1)
-            micros.append(_rebuild(item, _take(idx, rows, width, keep, trim, check)))
+            idx = slice(start, start + size)
+            keep = width if not right_padded else max(int(lengths[order[idx]].max()), 1)
+            take = taker(placed, idx, rows, width, keep, trim, check, cuts)
+            micros.append(_rebuild(item, take))
             start += size
+        check_cut(cuts)
         return micros
 
     def _per_token(self, item: Any, rows: int, width: int) -> tuple[set[int], dict[int, str]]:
@@ -234,8 +239,10 @@ class Packer:
         real = value != 0
         counts = real.sum(dim=1)
         width = value.shape[1]
-        right = bool(torch.equal(real, torch.arange(width, device=value.device) < counts[:, None]))
-        return counts.cpu(), width, right
+        right = (real == (torch.arange(width, device=value.device) < counts[:, None])).all()
+        # Lengths and the right-padding check in one read (none for a mask on the host).
+        read = torch.cat([counts, right.reshape(1).to(counts.dtype)]).cpu()
+        return read[:-1], width, bool(read[-1])
 
     def _checked(
         self, value: Any, item: Any, rows: int, what: str
@@ -359,33 +366,3 @@ def _ambiguous(name: str | None, t: torch.Tensor, width: int, keys: set[str]) ->
 
 def _keys(item: Any) -> set[str]:
     return set(item) if isinstance(item, Mapping) else set()
-
-
-def _take(
-    idx: torch.Tensor, rows: int, width: int, keep: int, trim: set[int], check: dict[int, str]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Rows ``idx`` of a rows-first tensor; those in ``trim`` cut to ``keep`` positions.
-
-    A tensor in ``check`` must hold one value (its padding) in the columns cut away.
-    """
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] != rows:
-            return t  # count_rows already refused other mismatches
-        i = idx.to(t.device)
-        if id(t) in trim and keep < width:
-            if id(t) in check:
-                cut = t[i, keep:]
-                if not bool((cut == cut[:1, :1]).all()):
-                    raise ValueError(
-                        f"item[{check[id(t)]!r}] holds values other than padding after the "
-                        "rows' lengths, so trimming it to the longest row would cut them: it "
-                        "is not aligned with the lengths (a decoder's labels, an "
-                        "end-of-sequence label on the first padding position?). Pad it like "
-                        "the lengths, or name the keys to trim: fb.Accumulator(..., "
-                        "token_keys=(...))."
-                    )
-            return t[i, :keep]
-        return t[i]
-
-    return take

@@ -45,20 +45,19 @@ def open_window(
     pending = engine.pending
     names = param_names(engine) if pending is not None else []
     resume = ResumeCheck.local(engine, names, feed, first_item)
-    start = start_window(engine, feed, stream, resume=resume)
+    start = start_window(engine, feed, stream, index=index, resume=resume)
     engine.start_problems = 0
     if pending is not None:
         engine.guard.scheduler_stepped()  # loading the scheduler's state moved it, not the user
-    if not start:
+    if start is None or start is False:
         return start
-    loss_scale, totals = start
     if engine.batchnorm is not None:
         engine.batchnorm.start()
     state = WindowState(
         feed,
         index=index,
-        loss_scale=loss_scale,
-        totals=totals,
+        loss_scale=start.loss_scale,
+        totals=start.totals,
         stream=stream,
         loader_items=loader_items,
         first_item=first_item,

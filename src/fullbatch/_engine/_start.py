@@ -6,10 +6,24 @@ items (the first window's ``c``), whether gradients are present, its resume chec
 (:mod:`fullbatch._engine._resume_check`) and its ``counts=`` totals. From it every rank
 decides the same things: a resume that does not fit (every rank raises), the end of the data,
 a dropped tail, how many padding micro-batches each rank runs, ``c`` and ``window.totals``.
+
+Reading the gathered table is a host synchronization when the backend keeps it on an
+accelerator (NCCL); locally and under gloo it is a host tensor. On an accelerator every rank
+reads it when a decision before the first backward needs everyone's row: the first window of
+``acc.windows(loader)`` (a rank with nothing to pad with fails there, on every rank, and so do
+the resume checks; after it every rank can pad), the first ``c``, ``partial_window="drop"``,
+equal micro-batch counts (FSDP2, DDP's static graph), ``counts=`` (``window.totals`` are
+numbers) and "auto". Otherwise only a rank without a real micro-batch (to pad, or to end with
+the others), with gradients already present or with a resume problem (to refuse them) reads
+it; the others go on without waiting. A mistake on one rank only then fails there first, and
+the others at their next collective (within the process-group timeout), as any rank's error
+does; the same mistake on every rank (the usual case: the same code runs everywhere) fails
+everywhere when the window opens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -19,23 +33,47 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._resume_check import WIDTH, ResumeCheck
 
-__all__ = ["start_window"]
+__all__ = ["Start", "start_window"]
 
-# Slots of the window-start all-gather: one row per rank; the resume checks' WIDTH slots follow.
+# Slots of the window-start all-gather: one row per rank; the resume checks' WIDTH slots
+# follow, then the counts= totals and the number of bad counts among them.
 _REAL, _FULL, _CAN_PAD, _HINT, _GRADS = range(5)
 _RESUME = 5
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What the exchange decided: ``c`` and ``window.totals``."""
+
+    loss_scale: float
+    totals: dict[str, float] | None
+
+
+def _everyone_reads(engine: Engine, index: int) -> bool:
+    """Whether a decision before the first backward needs every rank's row (see above)."""
+    return (
+        engine.sync.device.type == "cpu"  # locally and under gloo: reading it costs nothing
+        or index == 0
+        or engine.loss_scale is None
+        or engine.pending is not None
+        or engine.partial_window == "drop"
+        or engine.sync.equal_micro_batches
+        or engine.counts is not None
+        or engine.auto is not None
+    )
+
+
 def start_window(
-    engine: Engine, feed: Feed, stream: Stream, *, resume: ResumeCheck
-) -> tuple[float, dict[str, float] | None] | Literal[False] | None:
+    engine: Engine, feed: Feed, stream: Stream, *, index: int, resume: ResumeCheck
+) -> Start | Literal[False] | None:
     """The window-start exchange: one tiny all-gather under DDP/FSDP2, none locally.
 
     ``resume``: this rank's resume checks; when any rank's fails, every rank raises
     :class:`~fullbatch._engine._resume_check.ResumeMismatch` (before anything changes).
 
-    Returns None at the end of the data, False for a dropped window, else ``(c, totals)``.
+    Returns None at the end of the data, False for a dropped window, else :class:`Start`.
     """
+    sync = engine.sync
     real = feed.real
     grads = any(p.grad is not None for p in engine.params)
     # The first window's c comes from an estimate of its items (all ranks together).
@@ -51,9 +89,22 @@ def start_window(
         *resume.row(),
     ]
     names = list(engine.counts or {})
-    local_totals = _local_totals(engine, real) if engine.counts is not None else []
-    table = engine.sync.all_gather(torch.tensor(row + local_totals, dtype=torch.float64))
-    rows = table.tolist()
+    if sync.group is None:
+        table = [row + (_local_totals(engine, real).tolist() if names else [])]  # one read
+    else:
+        # Host numbers go to the collective's device without waiting (non_blocking); the
+        # counts= totals are already there.
+        mine = torch.tensor(row, dtype=torch.float64).to(sync.device, non_blocking=True)
+        if names:
+            local = _local_totals(engine, real).to(sync.device, non_blocking=True)
+            mine = torch.cat([mine, local])
+        gathered = sync.all_gather(mine)
+        quiet = not grads and not resume.problems
+        if real and quiet and not _everyone_reads(engine, index):
+            assert engine.loss_scale is not None  # else everyone reads
+            return Start(engine.loss_scale, None)  # nothing to decide on this rank
+        table = gathered.tolist()  # the window start's one read (a host tensor on gloo)
+    rows = [r[: len(row)] for r in table]
     need = _need(engine, rows)
     have = [int(r[_REAL]) + n for r, n in zip(rows, need, strict=True)]
     resume.verdict([r[_RESUME : _RESUME + WIDTH] for r in rows], have)
@@ -70,11 +121,20 @@ def start_window(
     _pad(engine, feed, rows, stream, need)
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
-    totals = None
-    if engine.counts is not None:
-        sums = table[:, len(row) :].sum(dim=0).tolist()
-        totals = dict(zip(names, sums, strict=True))
-    return engine.loss_scale, totals
+    totals = _totals(names, [r[len(row) :] for r in table]) if names else None
+    return Start(engine.loss_scale, totals)
+
+
+def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:
+    """``window.totals`` from every rank's totals and bad-count flag."""
+    *sums, bad = [sum(column) for column in zip(*ranks, strict=True)]
+    if bad:
+        raise ValueError(
+            f"a counts= function returned a negative or non-finite count ({int(bad)} such "
+            "value(s) in this window, over all ranks). A count is the number (or total "
+            "weight) of items a loss sums over: a finite number >= 0."
+        )
+    return dict(zip(names, sums, strict=True))
 
 
 def _need(engine: Engine, rows: list[list[float]]) -> list[int]:
@@ -105,12 +165,34 @@ def _pad(
     feed.add_padding(need[mine], make)
 
 
-def _local_totals(engine: Engine, real: list[Any]) -> list[float]:
-    totals = []
+def _local_totals(engine: Engine, real: list[Any]) -> torch.Tensor:
+    """This rank's ``counts=`` totals and its number of bad device counts, one float64 tensor.
+
+    Python numbers and CPU tensors are checked as they come; counts on an accelerator are
+    summed where they live and checked with the totals' one read, never read one by one.
+    """
+    f64 = torch.float64
+    columns: list[float | torch.Tensor] = []
+    on_device: list[torch.Tensor] = []
     for fn in (engine.counts or {}).values():
         total = 0.0
+        found: list[torch.Tensor] = []
         for micro in real:
             value = check_count(fn(micro))
-            total += float(value)
-        totals.append(total)
-    return totals
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            else:
+                total += value
+        if found:
+            where = found[0].device
+            columns.append(torch.stack([v.to(where, f64) for v in found]).sum() + total)
+        else:
+            columns.append(total)
+        on_device += found
+    if not on_device:
+        return torch.tensor([*columns, 0.0], dtype=f64)
+    where = on_device[0].device
+    zero = torch.zeros((), dtype=f64, device=where)
+    values = torch.stack([v.to(where, f64) for v in on_device])
+    bad = (~torch.isfinite(values) | (values < 0)).sum().to(f64)
+    return torch.stack([zero + c if isinstance(c, float) else c.to(where) for c in columns] + [bad])

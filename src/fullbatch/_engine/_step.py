@@ -3,54 +3,28 @@
 all-reduce (loss sum, count, flags) → unscale (GradScaler) → normalize → clip (report the
 pre-clip norm) → optimizer step (skip on zero items or non-finite values) → scaler update →
 scheduler step → ``zero_grad(set_to_none=True)``. Whether and by how much to step is
-:func:`fullbatch._base._verdict.decide`, as in every wing.
+:func:`fullbatch._base._verdict.decide`, as in every wing. Its inputs are read from the device
+once (:mod:`fullbatch._engine._read`): one host synchronization per window.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from fullbatch._base._normalize import accumulation_dtype, scale_grads, squared_norm
+from fullbatch._base._normalize import scale_grads, squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._verdict import NONFINITE_GRADIENT, WindowTotals, decide
 from fullbatch._engine._core import Engine
 from fullbatch._engine._open import end_window
+from fullbatch._engine._read import WindowNumbers, pair_discard, read_numbers
 from fullbatch._engine._state import Phase, WindowState
 
 __all__ = ["discard_window", "step_window"]
 
-# Slots of the one small all-reduce at the step.
-_LOSS, _COUNT, _BAD_COUNT, _SHARD_SQ, _DISCARDED, _SHARE_CALLS, _COUNT_CALLS = range(7)
 
-
-def _reduce_stats(
-    engine: Engine, state: WindowState | None, grads: list[torch.Tensor]
-) -> list[float]:
-    """Sum the window's numbers over ranks: one collective, one host synchronization."""
-    device = engine.stat_device
-    dtype = accumulation_dtype(device)
-    parts = [torch.zeros((), dtype=dtype, device=device) for _ in range(7)]
-    if state is None:
-        parts[_DISCARDED] += 1
-    else:
-        loss, counts, bad = state.sums(device, dtype)
-        parts[_LOSS] = loss
-        parts[_COUNT] = counts + state.count_py
-        parts[_BAD_COUNT] = bad
-        if engine.sync.sharded:
-            # Ranks holding the same shard (HSDP replicas) each add their share.
-            parts[_SHARD_SQ] = squared_norm(grads, device) / engine.sync.norm_copies
-        # The form is agreed over ranks: a rank without micro-batches made no call at all.
-        form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
-        parts[form_slot] += state.backwards
-    if engine.sync.group is None:
-        return torch.stack(parts).tolist()
-    return engine.sync.all_reduce_sum(torch.stack(parts)).tolist()
-
-
-def _lr(engine: Engine) -> float | None:
+def _lr(engine: Engine, numbers: WindowNumbers) -> float | None:
+    if not math.isnan(numbers.lr):  # a tensor learning rate, read with the window's numbers
+        return numbers.lr
     groups = engine.optimizer.param_groups
     return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
@@ -74,45 +48,45 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
         grads = precision.grads()
     else:
         grads = [p.grad for p in engine.params if p.grad is not None]
-    loss_total, count, bad, shard_sq, discarded, shares, counted = _reduce_stats(
-        engine, state, grads
-    )
-    if discarded:
+    # Context parallelism sums gradients over its ranks after this read (which must come
+    # first: a rank that discarded the window pairs with the read's collective only), so its
+    # norm is a second read, below.
+    combined_later = sync.context_group is not None
+    numbers = read_numbers(engine, state, grads, norm=not combined_later)
+    if numbers.discarded:
         end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(
-            f"window {state.index} was discarded on {int(discarded)} rank(s) but stepped on "
-            "this one; window.discard() is collective: call it on every rank."
+            f"window {state.index} was discarded on {int(numbers.discarded)} rank(s) but "
+            "stepped on this one; window.discard() is collective: call it on every rank."
         )
-    if bad:
+    if numbers.bad_counts:
         end_window(engine, state, Phase.ABANDONED)
         raise ValueError(
             f"a count passed to window.backward in window {state.index} was negative or "
             "non-finite (a device tensor, checked at step()). The window was discarded; "
             "counts must be finite numbers >= 0."
         )
-    if shares and counted:
+    if numbers.share_calls and numbers.count_calls:
         end_window(engine, state, Phase.ABANDONED)
         raise ValueError(
             f"in window {state.index} some ranks called backward(loss, count) and others "
             "backward(share); use one form on every rank."
         )
-    # CP ranks beside the wrapper: sum their pieces (zeros here do not change norm or scale).
-    sync.combine_context_parallel(engine.params, grads if precision is not None else None)
-    share = shares > 0
+    sq = numbers.squared_norm(sync.sharded)
+    if combined_later:
+        # CP ranks beside the wrapper: sum their pieces (zeros here change neither norm nor
+        # scale).
+        sync.combine_context_parallel(engine.params, grads if precision is not None else None)
+        if not sync.sharded:
+            sq = float(squared_norm(grads, engine.stat_device)) / numbers.scale**2
+    share = numbers.share_calls > 0
+    count = numbers.count
     scaler = engine.scaler
     loss_scale = 1.0 if share else state.loss_scale
-    grad_scale = 1.0
-    if scaler is not None:
-        grad_scale = float(scaler.get_scale())
-        scaler.unscale_(engine.optimizer)
-    if sync.sharded:
-        sq = shard_sq / grad_scale**2
-    else:
-        sq = float(squared_norm(grads, engine.stat_device)) if grads else 0.0
     # The divisor W undoes the wrapper's average over ranks; c·N is the window's normalizer.
     verdict = decide(
         WindowTotals(
-            loss=loss_total,
+            loss=numbers.loss,
             count=None if share else count,
             squared_norm=sq,
             divisor=sync.divisor,
@@ -121,7 +95,13 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             share=share,
         )
     )
-    lr = _lr(engine)
+    if scaler is not None:
+        # On the device: divides by the scale and records the non-finite check that
+        # scaler.update() consumes. It found nothing when the verdict steps (a non-finite
+        # gradient makes the norm non-finite), so the optimizer steps directly: scaler.step()
+        # would read that check on the host, a second synchronization.
+        scaler.unscale_(engine.optimizer)
+    lr = _lr(engine, numbers)
     if not verdict.skipped:
         if engine.window_hooks:  # the hooks see normalized, unclipped gradients
             scale_grads(grads, verdict.factor)
@@ -135,10 +115,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
                 precision.write_back()  # cast once, after normalizing and clipping in float32
         engine.guard.stepping = True
         try:
-            if scaler is not None:
-                scaler.step(engine.optimizer)
-            else:
-                engine.optimizer.step()
+            engine.optimizer.step()
         finally:
             engine.guard.stepping = False
         engine.counters.stepped()
@@ -152,7 +129,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
     if scaler is not None:
         if verdict.reason == NONFINITE_GRADIENT and sync.sharded:
             # Each rank's scaler saw only its shard: back off the same way everywhere.
-            scaler.update(grad_scale * scaler.get_backoff_factor())
+            scaler.update(numbers.scale * scaler.get_backoff_factor())
         else:
             scaler.update()
     if not verdict.skipped and engine.scheduler is not None:
@@ -181,4 +158,4 @@ def discard_window(engine: Engine, state: WindowState) -> None:
     state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
     end_window(engine, state, Phase.DISCARDED)
     if engine.sync.group is not None:
-        _reduce_stats(engine, None, [])  # pairs with the others' step or discard
+        pair_discard(engine)  # pairs with the others' step or discard

@@ -74,10 +74,15 @@ class Sync:
     def end(self) -> None:
         """Restore the wrapper's own sync state."""
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where the backend needs it; a host tensor goes to an accelerator
+        without the host waiting for the device queue (a blocking copy would)."""
+        return tensor.to(self.device, non_blocking=self.device.type != "cpu")
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return tensor
-        moved = tensor.to(self.device)
+        moved = self._to_device(tensor)
         self._wait(dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return moved.to(tensor.device)
 
@@ -85,7 +90,7 @@ class Sync:
         """``[world, *tensor.shape]``: every rank's tensor, in rank order."""
         if self.group is None:
             return tensor.unsqueeze(0)
-        moved = tensor.to(self.device)
+        moved = self._to_device(tensor)
         out = torch.empty(self.world * moved.numel(), dtype=moved.dtype, device=moved.device)
         # all_gather_single is the newer name of all_gather_into_tensor (torch >= 2.10).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,46 @@
+"""``scripts/gpu_check.py`` keeps working while no GPU is lent: its CPU smoke rows run the same
+code paths (gloo for NCCL, CPU autocast, a simulated out-of-memory error, packing on sdpa) and
+pass; without CUDA and without ``--cpu`` it says so and exits 2, without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+ROWS = {"nccl", "bf16", "fp16", "oom", "syncs", "pack", "speed"}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=280
+    )
+
+
+def test_cpu_smoke_rows_pass() -> None:
+    done = _run("--cpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ")]
+    status = {name.strip(): result.strip() for name, result, _ in rows[1:]}
+    assert set(status) == ROWS, done.stdout
+    assert status.pop("syncs") == "skip"  # needs CUDA
+    assert set(status.values()) == {"pass"}, done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_says_so_and_exits_2() -> None:
+    done = _run()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device" in done.stdout and "--cpu" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_an_unknown_row_is_refused() -> None:
+    done = _run("--cpu", "--rows", "nccl,warp")
+    assert done.returncode == 2 and "unknown rows ['warp']" in done.stderr
