@@ -386,6 +386,16 @@ def row_syncs(device: torch.device) -> Row:
     return Row("syncs", "pass" if ok else "FAIL", f"synchronizations per window: {shown}")
 
 
+def _attention(model: Any, impl: str) -> None:
+    """Select the attention kernel (``set_attn_implementation`` is transformers 5's; older
+    Llamas read the config at every forward)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(impl)
+    else:
+        model.config._attn_implementation = impl
+
+
 def row_pack(device: torch.device) -> Row:
     try:
         import transformers
@@ -408,10 +418,10 @@ def row_pack(device: torch.device) -> Row:
         )  # fmt: skip
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to(device, dtype)
-        model.set_attn_implementation(impl)
+        _attention(model, impl)
         # The reference: the padded full batch in float32 with sdpa, its own gradient.
         padded = transformers.LlamaForCausalLM(config).to(device)
-        padded.set_attn_implementation("sdpa")
+        _attention(padded, "sdpa")
         padded.load_state_dict(model.state_dict())
         logits = padded(input_ids=on["input_ids"], attention_mask=on["attention_mask"]).logits
         loss_sum, n = fb.causal_lm_loss(logits, on["labels"])

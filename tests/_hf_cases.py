@@ -115,7 +115,7 @@ def training_args(out: str, *, k: int, batch: int, **overrides: Any) -> Any:
 
         found = transformers.__version__
         pytest.skip(f"TrainingArguments has no {missing} in transformers {found}")
-    if not _has_sampling_strategy():  # older transformers: see in_order()
+    if not has_sampling_strategy():  # older transformers: see in_order()
         assert options.pop("train_sampling_strategy") == "sequential"
     return TrainingArguments(out, **options)
 
@@ -128,7 +128,7 @@ def _fields() -> set[str]:
     return {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
-def _has_sampling_strategy() -> bool:
+def has_sampling_strategy() -> bool:
     return "train_sampling_strategy" in _fields()
 
 
@@ -139,7 +139,7 @@ def in_order(trainer: Any) -> Any:
     that field in older transformers (4.46, 4.53), whose Trainers always shuffle, so there the
     trainer's sampler is replaced by a ``SequentialSampler`` (what "sequential" builds).
     """
-    if not _has_sampling_strategy():
+    if not has_sampling_strategy():
         from torch.utils.data import SequentialSampler
 
         def sampler(*args: Any, **kwargs: Any) -> SequentialSampler:

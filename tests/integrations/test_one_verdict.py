@@ -35,7 +35,8 @@ from conftest import Snapshot
 
 pytest.importorskip("transformers")
 
-from fullbatch._demo._trl_tiny import tiny_causal_lm
+from _hf_cases import has_sampling_strategy, in_order
+from fullbatch.testing import tiny_causal_lm
 
 POISON = 99  # a token id no other row holds (the data use 4..98)
 K, ROWS, WINDOWS = 2, 2, 3  # micro-batches per window, rows per micro-batch; window 1 poisoned
@@ -184,7 +185,7 @@ def _trainer_run(mode: str, build: Callable[[nn.Module, Any, list[Any]], Any]) -
     trainer = build(model, (opt, sched), [Snap()])
     with warnings.catch_warnings(record=True) as run.caught:
         warnings.simplefilter("always")
-        trainer.train()
+        in_order(trainer).train()
     run.snaps.append(Snapshot.take(model, opt, sched))
     assert trainer.state.global_step == WINDOWS  # the Trainer counts windows
     run.steps = trainer.fb_counters.steps
@@ -193,12 +194,11 @@ def _trainer_run(mode: str, build: Callable[[nn.Module, Any, list[Any]], Any]) -
 
 
 def _common_args() -> dict[str, Any]:
-    return dict(
+    common = dict(
         per_device_train_batch_size=ROWS,
         gradient_accumulation_steps=K,
         max_grad_norm=1.0,
         num_train_epochs=1,
-        train_sampling_strategy="sequential",
         logging_steps=1,
         use_cpu=True,
         report_to=[],
@@ -207,6 +207,9 @@ def _common_args() -> dict[str, Any]:
         dataloader_num_workers=0,
         seed=0,
     )
+    if has_sampling_strategy():  # older transformers always shuffle: in_order() fixes that
+        common["train_sampling_strategy"] = "sequential"
+    return common
 
 
 def run_exact_trainer(mode: str) -> Run:

@@ -1,7 +1,8 @@
 """``fb.probe`` around ``trainer.train()``: the stock Hugging Face Trainer on a head that drops
 ``num_items_in_batch`` is flagged, ``fullbatch.hf.ExactTrainer`` (labels withheld from the
-model) and the stock Trainer on a causal LM pass, each judged against a plain full-batch
-gradient computed here from the first window's rows."""
+model) passes, and the stock Trainer on a causal LM is judged by what the installed
+transformers counts, each against a plain full-batch gradient computed here from the first
+window's rows."""
 
 from __future__ import annotations
 
@@ -76,16 +77,40 @@ def _rel(a: dict, b: dict) -> float:
     return (diff / sum(float(b[n].double().pow(2).sum()) for n in b)) ** 0.5
 
 
+def _window_labels(kind: str, rows: list[int]) -> list[torch.Tensor]:
+    """The first window's micro-batches' labels, as the Trainer collated them."""
+    data = _rows()
+    return [Collator(kind)([data[i] for i in rows[k : k + BATCH]])["labels"]
+            for k in range(0, K * BATCH, BATCH)]  # fmt: skip
+
+
+def _stock_count(labels: list[torch.Tensor]) -> float:
+    """``num_items_in_batch`` as the installed Trainer counts the window (its own code)."""
+    from transformers import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=llama(), args=training_args(tmp, k=K, batch=BATCH))
+        batches = [{"labels": label} for label in labels]
+        _, items = trainer.get_batch_samples(iter(batches), K, torch.device("cpu"))
+    return float(items)
+
+
 def test_stock_trainer_on_a_head_that_drops_num_items_is_flagged() -> None:
+    """BERT's masked-LM head drops ``num_items_in_batch``: each micro-batch's own mean, which
+    transformers 5 leaves undivided (x K) and 4.x divides by K (a mean of means either way)."""
     run = _train(lambda: bert("masked_lm"), "masked_lm", exact=None)
     (check,) = run["report"].windows
     ref = _reference("masked_lm", run["start"], run["rows"])
     assert not run["report"].ok
     assert check.engine == "transformers.Trainer" and check.objective == "token"
-    assert check.pattern == "mean of per-micro-batch means" and "x4 (= K" in check.diagnosis
+    assert check.pattern == "mean of per-micro-batch means"
     assert "fullbatch.hf.ExactTrainer" in check.diagnosis
     assert check.error == pytest.approx(_rel(run["grads"], ref), rel=1e-6)
-    assert check.error > 0.5
+    n = [float((label != -100).sum()) for label in _window_labels("masked_lm", run["rows"])]
+    means = [sum(n) / k for k in n]  # weight of a micro-batch's mean, relative to 1/N
+    undivided = check.weights == pytest.approx(means, rel=1e-6)
+    assert undivided or check.weights == pytest.approx([w / K for w in means], rel=1e-6)
+    assert ("x4 (= K" in check.diagnosis) is undivided and check.error > 0.1
 
 
 def test_exact_trainer_passes_with_labels_withheld_from_the_model() -> None:
@@ -99,16 +124,28 @@ def test_exact_trainer_passes_with_labels_withheld_from_the_model() -> None:
     assert check.weights == pytest.approx([1.0] * K, rel=1e-6)
 
 
-def test_stock_trainer_on_a_causal_lm_passes() -> None:
-    """Llama consumes num_items_in_batch: the stock Trainer's accumulation is exact there, up to
-    float32 rounding (transformers' causal-LM loss upcasts the logits to float32 only: on this
-    float64 model it rounds them to float32), which the probe's measured band covers."""
+def test_stock_trainer_on_a_causal_lm_is_judged_by_its_own_count() -> None:
+    """Llama consumes num_items_in_batch. transformers 5 counts the window's targets after the
+    causal shift: the stock step is exact up to float32 rounding (its causal-LM loss upcasts the
+    logits to float32 only, so on this float64 model it rounds them), which the probe's band
+    covers. transformers 4.53 counted every label before the shift (one per row too many): the
+    probe flags that as "not normalized", every micro-batch weighted N / N_unshifted."""
     run = _train(llama, "causal_lm", exact=None)
     ref = _reference("causal_lm", run["start"], run["rows"])
-    assert run["report"].ok, str(run["report"])
     (check,) = run["report"].windows
-    assert check.objective == "causal_lm" and 1e-15 < check.tolerance < 1e-6
-    assert _rel(run["grads"], ref) < 1e-6
+    labels = _window_labels("causal_lm", run["rows"])
+    shifted = float(sum(fb.count_tokens(label) for label in labels))
+    assert check.objective == "causal_lm" and check.count == shifted
+    counted = _stock_count(labels)
+    if counted == shifted:
+        assert run["report"].ok, str(run["report"])
+        assert 1e-15 < check.tolerance < 1e-6 and _rel(run["grads"], ref) < 1e-6
+        return
+    assert counted == float(sum((label != -100).sum() for label in labels)) > shifted
+    assert not run["report"].ok and check.pattern == "not normalized"
+    assert check.weights == pytest.approx([shifted / counted] * K, rel=1e-6)
+    assert check.error == pytest.approx(_rel(run["grads"], ref), rel=1e-6)
+    assert check.error == pytest.approx(1 - shifted / counted, rel=1e-5)
 
 
 def test_exact_trainer_with_clipping_is_compared_before_the_clip() -> None:
