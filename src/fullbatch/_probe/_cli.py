@@ -18,19 +18,11 @@ import os
 import sys
 from typing import Any
 
+from fullbatch._verify._cli import positive_int
+
 __all__ = ["add_arguments", "run"]
 
 _OBJECTIVES = ("causal_lm", "token", "sample")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--windows",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="optimizer steps to check (default: 1)",

@@ -22,13 +22,14 @@ import argparse
 import sys
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "positive_int", "run"]
 
 _DTYPES = ("float32", "float64")
 _AUTOCAST = ("bfloat16", "float16")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (``--micro-batch-size``, ``--windows``)."""
     try:
         value = int(text)
     except ValueError:
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--micro-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="M",
         help="rows per micro-batch (checks fullbatch's accumulation)",
@@ -78,14 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--micro-batch-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="T",
         help="with --pack: real tokens per packed micro-batch",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="B",
         help="use the first B examples as the batch (default: all of them)",
@@ -106,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="cut every example to its first N tokens (e.g. the model's context length)",
