@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fullbatch._base._autosize import AutoSize
-from fullbatch._base._pack import TOKEN_KEYS, Lengths, Packer
+from fullbatch._base._sort_trim import TOKEN_KEYS, Lengths, SortTrim
 from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._warn import warn
 
@@ -101,7 +101,7 @@ class RowPacker:
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
         self.token_keys = frozenset(TOKEN_KEYS if token_keys is None else token_keys)
-        self._reader = Packer(micro_batch_tokens=1, lengths=lengths)
+        self._reader = SortTrim(micro_batch_tokens=1, lengths=lengths)
         self._warned: set[str] = set()
 
     def __call__(self, item: Any) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fullbatch._base._pack import Lengths, make_splitter
 from fullbatch._base._packed import check_pack, make_packer
+from fullbatch._base._sort_trim import Lengths, make_splitter
 from fullbatch._base._sync import make_sync
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
@@ -28,10 +28,10 @@ from fullbatch._engine._options import (
     check_window_size,
     trained_params,
 )
-from fullbatch._engine._pack_check import FirstWindowCheck
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
 from fullbatch._engine._resume import Resume
+from fullbatch._engine._verify_pack import FirstWindowCheck
 from fullbatch._engine._window import Window
 from fullbatch._engine._windows import Windows
 

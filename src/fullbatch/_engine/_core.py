@@ -69,7 +69,7 @@ class Engine:
     pending: dict[str, Any] | None = None  # a loaded state, restored into the next window
     start_problems: int = 0  # resume problems found before the next window start (_resume_check)
     pack: bool = False  # pack=True: micro-batches are packed rows (_base._packed)
-    pack_check: Any = None  # pack=True: the first window's packing check (_pack_check)
+    pack_check: Any = None  # pack=True: the first window's packing check (_verify_pack)
 
     def clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

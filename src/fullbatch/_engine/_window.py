@@ -12,10 +12,10 @@ from fullbatch._base._stats import StepStats
 from fullbatch._engine._auto import run_auto
 from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
-from fullbatch._engine._pack_check import refuse_coupled
 from fullbatch._engine._run import abandon_locally, run_window
 from fullbatch._engine._state import Phase, WindowState
 from fullbatch._engine._step import discard_window, step_window
+from fullbatch._engine._verify_pack import refuse_coupled
 
 __all__ = ["Window"]
 

@@ -39,7 +39,7 @@ from fullbatch._base._split import collate_rows, count_rows, split_rows
 from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
-__all__ = ["TOKEN_KEYS", "Lengths", "Packer", "make_splitter"]
+__all__ = ["TOKEN_KEYS", "Lengths", "SortTrim", "make_splitter"]
 
 Lengths = str | Callable[[Any], Any]
 
@@ -94,7 +94,7 @@ def _rebuild(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-class Packer:
+class SortTrim:
     """Turns one window item into length-aware micro-batches; warns at most once per kind.
 
     Exactly one of ``micro_batch_size`` (fixed rows, sorted) and ``micro_batch_tokens`` (a
@@ -103,7 +103,7 @@ class Packer:
     >>> import torch
     >>> mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     >>> item = {"input_ids": mask * 7, "attention_mask": mask, "w": torch.tensor([1.0, 2.0, 3.0])}
-    >>> micros = Packer(micro_batch_tokens=4)(item)
+    >>> micros = SortTrim(micro_batch_tokens=4)(item)
     >>> [tuple(m["input_ids"].shape) for m in micros], [m["w"].tolist() for m in micros]
     ([(1, 4), (2, 2)], [[2.0], [3.0, 1.0]])
     """
@@ -117,7 +117,7 @@ class Packer:
         token_keys: Collection[str] | None = None,
     ) -> None:
         if (micro_batch_size is None) == (micro_batch_tokens is None):
-            raise ValueError("Packer needs exactly one of micro_batch_size, micro_batch_tokens.")
+            raise ValueError("SortTrim needs exactly one of micro_batch_size, micro_batch_tokens.")
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
@@ -326,13 +326,13 @@ def make_splitter(
     (both sizes None) ``split`` is never called.
     """
     if micro_batch_tokens is not None:
-        packer = Packer(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
+        packer = SortTrim(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
         if micro_batch_tokens == "auto":
             return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
         packer.micro_batch_tokens = int(micro_batch_tokens)
         return packer, None
     if sort_rows:
-        packer = Packer(micro_batch_size=1, lengths=lengths, token_keys=token_keys)
+        packer = SortTrim(micro_batch_size=1, lengths=lengths, token_keys=token_keys)
         if micro_batch_size == "auto":
             return packer, AutoSize(count_rows, packer.cut, kind="rows")
         packer.micro_batch_size = int(micro_batch_size or 1)

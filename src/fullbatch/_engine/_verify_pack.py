@@ -4,7 +4,7 @@ gradients, optimizer state and the RNG are untouched. Opt out with
 ``Accumulator(..., verify_pack=False)``.
 
 - ``window.run(fn)``: the micro-batch is run packed and padded through ``fn`` (see
-  :mod:`fullbatch._base._packcheck`): gradient and leak. Cost: about one window, once.
+  :mod:`fullbatch._base._row_boundaries`): gradient and leak. Cost: about one window, once.
 - The plain ``for micro in window`` loop (fullbatch never sees the loss function): the
   user's own forward of that micro-batch is watched (the model's output and its
   ``nn.Embedding`` outputs, by forward hooks), and before its first backward one row's
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
-from fullbatch._base._packcheck import PackingReport, check_packed, likely_causes, repack
+from fullbatch._base._row_boundaries import PackingReport, check_packed, likely_causes, repack
 from fullbatch._base._warn import warn
 from fullbatch._engine._core import Handle
 from fullbatch._engine._run import abandon_locally
