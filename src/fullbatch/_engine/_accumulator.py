@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullbatch._base._packed import check_pack, make_packer
 from fullbatch._base._sort_trim import Lengths, make_splitter
-from fullbatch._base._sync import make_sync
+from fullbatch._base._sync import DdpSync, FsdpSync, SyncPlan
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
 from fullbatch._engine._core import Engine
@@ -59,7 +59,8 @@ class Accumulator:
             :meth:`Window.run_coupled`): start from
             the whole window, halve on ``torch.OutOfMemoryError`` and re-run the window from
             its start; the size that worked is kept (``acc.micro_batch_size`` /
-            ``acc.micro_batch_tokens``). Under DDP it implies ``ddp_sync="step"``.
+            ``acc.micro_batch_tokens``). Under DDP it needs ``ddp_sync="step"`` (the default
+            with it).
         micro_batch_tokens: the loader yields whole windows; each window's rows are sorted by
             length (longest first) and cut into micro-batches of at most this many padded
             tokens (rows x longest row), each trimmed to its own longest row. A row longer
@@ -112,6 +113,9 @@ class Accumulator:
             micro-batches (distributed); by default the rank's last real micro-batch is used.
         ddp_sync: ``"last"`` (each rank's last micro-batch synchronizes) or ``"step"`` (one
             bucketed all-reduce at ``step()``: several backward calls, ranks with no data).
+            Default: ``"last"``, or ``"step"`` with an ``"auto"`` size, which needs it (no
+            collective may run inside a backward while a rank can run out of memory);
+            ``ddp_sync="last"`` with ``"auto"`` raises ``ValueError``.
         fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch; the default on
             a 1-D mesh), ``"micro_batch"`` (every micro-batch; less memory) or, on a 2-D
             (replicate, shard) HSDP mesh, ``"hybrid"`` (reduce-scatter every micro-batch, the
@@ -157,8 +161,8 @@ class Accumulator:
         process_group: Any = None,
         batchnorm: str | None = None,
         padding_micro_batch: Callable[[], Any] | None = None,
-        ddp_sync: str = "last",
-        fsdp_sync: str | None = None,
+        ddp_sync: DdpSync | None = None,
+        fsdp_sync: FsdpSync | None = None,
         grad_divisor: float | None = None,
         micro_batch_tokens: int | str | None = None,
         sort_rows: bool = False,
@@ -184,8 +188,13 @@ class Accumulator:
             split, auto = make_splitter(size, tokens, sort_rows, lengths, token_keys)
         if not isinstance(verify_pack, bool):
             raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
-        if auto is not None:
-            ddp_sync = auto.ddp_sync(model, ddp_sync)
+        sync_plan = SyncPlan(
+            ddp_sync=ddp_sync,
+            fsdp_sync=fsdp_sync,
+            grad_divisor=grad_divisor,
+            process_group=process_group,
+            context_parallel=context_parallel,
+        )
         check_options(
             max_grad_norm=max_grad_norm,
             counts=counts,
@@ -201,14 +210,10 @@ class Accumulator:
         self.model = model
         self.optimizer = optimizer
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        sync = make_sync(
-            model,
-            process_group=process_group,
-            ddp_sync=ddp_sync,
-            fsdp_sync=fsdp_sync,
-            grad_divisor=grad_divisor,
-            context_parallel=context_parallel,
-        )
+        auto_name = None
+        if auto is not None:
+            auto_name = "micro_batch_tokens" if auto.kind == "tokens" else "micro_batch_size"
+        sync = sync_plan.make(model, auto=auto_name)
         params = trained_params(model, optimizer, distributed=sync.group is not None)
         # Before any hook is registered: a refusal leaves nothing behind.
         precision = make_grad_buffers(accumulate_dtype, params, sync, scaler)

@@ -107,7 +107,9 @@ def _attempt(
     window: Handle, fn: MicroBatchFn, auto: AutoSize, sync: Sync, runner: Runner
 ) -> list[list[float]] | None:
     """Run the window's micro-batches; None when no rank ran out of memory, else the table."""
-    fsdp = sync.kind == "fsdp2"
+    # FSDP2: a backward runs collectives (DDP under "auto" reduces at step(): none), so the
+    # ranks agree between fn and the backward, and an OOM inside a backward cannot be agreed.
+    in_backward = sync.syncs_in_backward
     phase = ["forward"]
 
     def forward(micro: Any) -> Any:
@@ -115,7 +117,7 @@ def _attempt(
         return fn(micro)
 
     def before_backward() -> None:
-        if fsdp:
+        if in_backward:
             check_peers(sync)
         phase[0] = "backward"
 
@@ -125,7 +127,7 @@ def _attempt(
         return peer.table
     except torch.OutOfMemoryError:
         fatal = auto.used <= 1
-        if fsdp and phase[0] == "backward":
+        if in_backward and phase[0] == "backward":
             abandon_locally(window)
             raise  # the others are inside the backward's collectives: no agreement possible
         table = _agree(sync, oom=True, fatal=fatal, used=auto.used)

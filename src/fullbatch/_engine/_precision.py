@@ -60,14 +60,14 @@ def make_grad_buffers(
         return None
     kinds = sorted({str(p.dtype) for p in buffered})
     what = f"accumulate_dtype={accumulate_dtype} with {len(buffered)} {'/'.join(kinds)} parameters"
-    if sync.kind == "fsdp2":
+    if sync.sharded:
         raise ValueError(
             f"{what} under FSDP2 is not supported: keep float32 sharded parameters and let "
             "FSDP2 accumulate in float32, fully_shard(model, mp_policy=MixedPrecisionPolicy("
             "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), and drop "
             "accumulate_dtype."
         )
-    if sync.kind == "ddp" and not sync.reduce_at_step:
+    if sync.syncs_in_backward:
         raise ValueError(
             f"{what} under DDP needs ddp_sync='step': with 'last', DDP averages the "
             "low-precision .grad of the final backward only, not the float32 buffers. Build "

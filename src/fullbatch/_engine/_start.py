@@ -105,7 +105,7 @@ def start_window(
             return Start(engine.loss_scale, None)  # nothing to decide on this rank
         table = gathered.tolist()  # the window start's one read (a host tensor on gloo)
     rows = [r[: len(row)] for r in table]
-    need = _need(engine, rows)
+    need = engine.sync.padding([int(r[_REAL]) for r in rows])
     have = [int(r[_REAL]) + n for r, n in zip(rows, need, strict=True)]
     resume.verdict([r[_RESUME : _RESUME + WIDTH] for r in rows], have)
     if not any(r[_REAL] for r in rows):
@@ -135,15 +135,6 @@ def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:
             "weight) of items a loss sums over: a finite number >= 0."
         )
     return dict(zip(names, sums, strict=True))
-
-
-def _need(engine: Engine, rows: list[list[float]]) -> list[int]:
-    """The padding micro-batches each rank runs in this window."""
-    if engine.sync.equal_micro_batches:
-        return [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-    if engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
-        return [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
-    return [0 for _ in rows]
 
 
 def _pad(
