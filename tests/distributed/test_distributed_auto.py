@@ -86,9 +86,9 @@ def test_ddp_with_broadcast_buffers_equals_the_found_size_from_the_start() -> No
 
 
 def test_auto_under_ddp_reduces_at_step_and_refuses_an_explicit_last() -> None:
-    """"auto" needs ``ddp_sync="step"`` under DDP: the default is "step" with it, "last" with
-    a fixed size, and an explicit ``ddp_sync="last"`` with "auto" is a ValueError naming the
-    fix (nothing changed: parameters, optimizer state, DDP's flag)."""
+    """An "auto" size needs ``ddp_sync="step"`` under DDP: the default is "step" with it,
+    "last" with a fixed size, and an explicit ``ddp_sync="last"`` with "auto" is a ValueError
+    naming the fix (nothing changed: parameters, optimizer state, DDP's flag)."""
     results = values(run_ranks(cases.ddp_sync_with_auto, 2, pg_timeout=20))
     for res in results:
         # "auto": the whole window runs as one micro-batch, unsynced (reduced at step())
