@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._autosize import AutoSize
-from fullbatch._base._split import collate_rows, count_rows, split_rows
+from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
-__all__ = ["TOKEN_KEYS", "Lengths", "SortTrim", "make_splitter"]
+__all__ = ["TOKEN_KEYS", "Lengths", "SortTrim"]
 
 Lengths = str | Callable[[Any], Any]
 
@@ -310,40 +309,6 @@ class SortTrim:
         if kind not in self._warned:
             self._warned.add(kind)
             warn(message)
-
-
-def make_splitter(
-    micro_batch_size: int | str | None,
-    micro_batch_tokens: int | str | None,
-    sort_rows: bool,
-    lengths: Lengths,
-    token_keys: Collection[str] | None = None,
-) -> tuple[Callable[[Any], list[Any]], AutoSize | None]:
-    """How the Accumulator cuts a loader item (a window), from checked options.
-
-    Returns ``(split, auto)``: ``split(item)`` for fixed sizes, and an :class:`AutoSize` when a
-    size is ``"auto"`` (it then cuts, with the size it has found). With ``micro_batches=K``
-    (both sizes None) ``split`` is never called.
-    """
-    if micro_batch_tokens is not None:
-        packer = SortTrim(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
-        if micro_batch_tokens == "auto":
-            return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
-        packer.micro_batch_tokens = int(micro_batch_tokens)
-        return packer, None
-    if sort_rows:
-        packer = SortTrim(micro_batch_size=1, lengths=lengths, token_keys=token_keys)
-        if micro_batch_size == "auto":
-            return packer, AutoSize(count_rows, packer.cut, kind="rows")
-        packer.micro_batch_size = int(micro_batch_size or 1)
-        return packer, None
-    if micro_batch_size == "auto":
-        return _split_rows_of(1), AutoSize.rows()
-    return _split_rows_of(int(micro_batch_size or 1)), None
-
-
-def _split_rows_of(size: int) -> Callable[[Any], list[Any]]:
-    return lambda item: split_rows(item, size)
 
 
 def _ambiguous(name: str | None, t: torch.Tensor, width: int, keys: set[str]) -> str:

@@ -80,7 +80,8 @@ class _Snapshot:
 
     def __init__(self, engine: Engine) -> None:
         self.rng = RngState()
-        self.scaler = engine.scaler.state_dict() if engine.scaler is not None else None
+        scaler = engine.step_plan.scaler
+        self.scaler = scaler.state_dict() if scaler is not None else None
         self.buffers = [
             (b, b.detach().clone())
             for m in engine.model.modules()
@@ -94,8 +95,9 @@ class _Snapshot:
 
     def restore(self, engine: Engine) -> None:
         self.rng.restore()
-        if engine.scaler is not None and self.scaler is not None:
-            engine.scaler.load_state_dict(self.scaler)
+        scaler = engine.step_plan.scaler
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
@@ -171,7 +173,7 @@ def _free() -> None:
 def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batches) -> StepStats:
     """The body of :meth:`Window.run` and :meth:`Window.run_coupled` under "auto"."""
     engine = window._engine
-    auto, stream = engine.auto, window._state.stream
+    auto, stream = engine.micro_plan.auto, window._state.stream
     assert auto is not None and stream is not None
     sync = engine.sync
     snapshot = _Snapshot(engine)

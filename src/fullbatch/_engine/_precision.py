@@ -40,21 +40,18 @@ def _narrower(param: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def make_grad_buffers(
-    accumulate_dtype: Any, params: list[nn.Parameter], sync: Any, scaler: Any
+    accumulate_dtype: torch.dtype | None, params: list[nn.Parameter], sync: Any, scaler: Any
 ) -> GradBuffers | None:
-    """Validate ``accumulate_dtype``; ``None`` when no parameter is narrower than it.
+    """The buffers for ``accumulate_dtype`` (a floating dtype, checked by ``StepPlan``);
+    ``None`` when no parameter is narrower than it.
 
     Raises:
-        ValueError: not a floating ``torch.dtype``; FSDP2; DDP without ``ddp_sync="step"``; a
-            GradScaler, when some parameter would be buffered.
+        ValueError: a sharded wrapper (FSDP2); a wrapper that synchronizes inside the backward
+            (DDP without ``ddp_sync="step"``); a GradScaler, when some parameter would be
+            buffered.
     """
     if accumulate_dtype is None:
         return None
-    if not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point:
-        raise ValueError(
-            f"accumulate_dtype must be a floating torch dtype, got {accumulate_dtype!r}; "
-            "use accumulate_dtype=torch.float32 to accumulate bf16/fp16 gradients in float32."
-        )
     buffered = [p for p in params if _narrower(p, accumulate_dtype)]
     if not buffered:
         return None

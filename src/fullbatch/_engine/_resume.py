@@ -155,8 +155,8 @@ class Resume:
         """Raise where a state would lose work: an "auto" or ``accumulate_dtype`` window, a
         micro-batch without its backward yet, or gradients FSDP2 holds itself."""
         engine = self._engine
-        if engine.auto is not None or engine.precision is not None:
-            what = "an 'auto' size" if engine.auto is not None else "accumulate_dtype"
+        if engine.micro_plan.is_auto or engine.grad_buffers is not None:
+            what = "an 'auto' size" if engine.micro_plan.is_auto else "accumulate_dtype"
             raise RuntimeError(
                 f"acc.state_dict() inside window {window.index} with {what}: the window's "
                 "state (the size it runs with, or the float32 gradient buffers) is not part of "

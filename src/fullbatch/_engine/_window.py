@@ -67,7 +67,7 @@ class Window:
             )
         if state.phase is Phase.OPEN:
             state.phase = Phase.ITERATING
-        if self._engine.auto is not None and not state.by_run:
+        if self._engine.micro_plan.is_auto and not state.by_run:
             raise RuntimeError(
                 "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
                 "per-micro-batch function to catch an out-of-memory error, and Python does not "
@@ -155,7 +155,7 @@ class Window:
                 "yielded. Call it inside `for micro in window:`."
             )
         form = "share" if count is None else "count"
-        if form == "share" and self._engine.counts is None:
+        if form == "share" and self._engine.micro_plan.counts is None:
             raise ValueError(
                 "window.backward(loss) without a count needs counts= on the Accumulator: "
                 "without it the loss is almost surely a per-micro-batch mean, which weights "
@@ -201,7 +201,7 @@ class Window:
             # micro-batch would otherwise become NaN (inf * 0) and poison the window.
             off = torch.zeros((), dtype=torch.bool, device=loss.device)
             target = torch.where(off, loss, torch.zeros_like(loss))
-            scaler = self._engine.scaler
+            scaler = self._engine.step_plan.scaler
             torch.autograd.backward(
                 target if scaler is None else scaler.scale(target), **autograd_kwargs
             )
@@ -209,8 +209,9 @@ class Window:
             # Seeding backward with c (times the GradScaler's scale) is backward(c · loss)
             # without an extra multiply in the graph: c is a power of two, so both are exact.
             torch.autograd.backward(loss, grad_tensors=self._seed(loss, form), **autograd_kwargs)
-        if self._engine.precision is not None:  # accumulate_dtype: move .grad into the buffers
-            self._engine.precision.after_backward()
+        buffers = self._engine.grad_buffers
+        if buffers is not None:  # accumulate_dtype: move .grad into the buffers
+            buffers.after_backward()
         guard.after_backward()
         self._record(loss, checked, form)
 
@@ -229,7 +230,7 @@ class Window:
         if seed is None:
             c = self.loss_scale if form == "count" else 1.0
             seed = torch.full((), c, dtype=loss.dtype, device=loss.device)
-            scaler = self._engine.scaler
+            scaler = self._engine.step_plan.scaler
             if scaler is not None:
                 seed = scaler.scale(seed)
             self._state.seeds[key] = seed
@@ -283,7 +284,7 @@ class Window:
         check = self._engine.pack_check
         if check is not None and check.pending:  # pack=True: proven before anything changes
             check(self, fn)
-        if self._engine.auto is not None:
+        if self._engine.micro_plan.is_auto:
             return run_auto(self, fn)
         return run_window(self, fn)
 
@@ -333,7 +334,7 @@ class Window:
                 stats = window.run_coupled(encode, info_nce)
         """
         self._check_open("run_coupled()")
-        if self._engine.pack:
+        if self._engine.micro_plan.pack:
             refuse_coupled(self)
         return run_coupled(self, encode, loss)
 
