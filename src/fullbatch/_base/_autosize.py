@@ -28,9 +28,7 @@ class AutoSize:
         self,
         whole: Callable[[Any], int],
         cut: Callable[[Any, int], list[Any]],
-        kind: str = "rows",
     ) -> None:
-        self.kind = kind  # "rows" (micro_batch_size) or "tokens" (micro_batch_tokens)
         self._whole = whole
         self._cut = cut
         self.limit: int | None = None  # None: whole windows (no OOM seen yet)

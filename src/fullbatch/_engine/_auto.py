@@ -197,9 +197,9 @@ def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batche
             if fatal:
                 raise RuntimeError(
                     f"rank(s) {fatal} ran out of memory with micro-batches of one row; "
-                    "micro_batch_size='auto' has nothing smaller to try (their error is "
-                    "raised there). Use a smaller model, activation checkpointing or lower "
-                    "precision."
+                    f"{engine.micro_plan.size_name}='auto' has nothing smaller to try (their "
+                    "error is raised there). Use a smaller model, activation checkpointing or "
+                    "lower precision."
                 )
             limit = min(int(r[_USED]) // 2 for r in table if r[_OOM])
             _free()

@@ -182,13 +182,13 @@ class MicroBatchPlan:
             else:
                 cutter = SortTrim(micro_batch_tokens=1, lengths=self.lengths, token_keys=keys)
             if tokens == "auto":
-                return cutter, AutoSize(cutter.window_tokens, cutter.cut, kind="tokens")
+                return cutter, AutoSize(cutter.window_tokens, cutter.cut)
             cutter.micro_batch_tokens = tokens
             return cutter, None
         if self.sort_rows:
             rows = SortTrim(micro_batch_size=1, lengths=self.lengths, token_keys=keys)
             if size == "auto":
-                return rows, AutoSize(count_rows, rows.cut, kind="rows")
+                return rows, AutoSize(count_rows, rows.cut)
             rows.micro_batch_size = int(size or 1)
             return rows, None
         if size == "auto":

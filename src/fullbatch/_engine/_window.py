@@ -67,13 +67,14 @@ class Window:
             )
         if state.phase is Phase.OPEN:
             state.phase = Phase.ITERATING
-        if self._engine.micro_plan.is_auto and not state.by_run:
+        plan = self._engine.micro_plan
+        if plan.is_auto and not state.by_run:
             raise RuntimeError(
-                "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
+                f"{plan.size_name}='auto' needs window.run(fn): fullbatch must call your "
                 "per-micro-batch function to catch an out-of-memory error, and Python does not "
                 "hand an exception raised in a `for` body back to the iterator. Write "
                 "`stats = window.run(lambda micro: fb.cross_entropy_sum(model(micro['x']), "
-                "micro['y']))`, or give an integer micro_batch_size."
+                f"micro['y']))`, or give an integer {plan.size_name}."
             )
         return self
 
