@@ -86,3 +86,43 @@ def _bn_run(rank: int, size: int | str, fits: int) -> list[tuple[torch.Tensor, t
 def auto_ddp_batchnorm(rank: int, world: int) -> dict[str, Any]:
     """DDP broadcasts BatchNorm buffers in every forward: a collective "auto" must agree on."""
     return {"auto": _bn_run(rank, "auto", [10**9, 3][rank]), "fixed": _bn_run(rank, 2, 10**9)}
+
+
+def ddp_sync_with_auto(rank: int, world: int) -> dict[str, Any]:
+    """DDP's sync flag on each micro-batch: "auto" with ``ddp_sync`` left out, with "step",
+    and a fixed size; then ``ddp_sync="last"`` with "auto", which is refused."""
+    model = wrap(make_model(10**9), "ddp")
+    opt = make_optimizer(model.parameters())
+    item = [micro_batch(rank, 0, 8)]
+    out: dict[str, Any] = {}
+    for name, options in [
+        ("default", {"micro_batch_size": "auto"}),
+        ("step", {"micro_batch_size": "auto", "ddp_sync": "step"}),
+        ("fixed", {"micro_batch_size": 4}),
+    ]:
+        flags: list[bool] = []
+
+        def fn(m: dict[str, torch.Tensor], flags: list[bool] = flags) -> Any:
+            flags.append(bool(model.require_backward_grad_sync))
+            return fb.cross_entropy_sum(model(m["x"]), m["y"])
+
+        with fb.Accumulator(model, opt, **options) as acc:
+            for window in acc.windows(item):
+                window.run(fn)
+        out[name] = flags
+    before = _full_params(model)
+    state = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    out["refused"] = []
+    for size in ("micro_batch_size", "micro_batch_tokens"):
+        try:
+            fb.Accumulator(model, opt, ddp_sync="last", **{size: "auto"})
+        except ValueError as error:
+            out["refused"].append(str(error))
+    after = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    out["unchanged"] = (
+        torch.equal(before, _full_params(model))
+        and len(state) == len(after) > 0
+        and all(torch.equal(a, b) for a, b in zip(state, after, strict=True))
+    )
+    out["flag"] = bool(model.require_backward_grad_sync)
+    return out

@@ -23,7 +23,7 @@ from conftest import (
     rel_err,
     sgd_update,
 )
-from fullbatch._base._pack import Packer
+from fullbatch._base._sort_trim import SortTrim
 
 LENGTHS = [3, 11, 1, 7, 2, 9, 5, 6, 4, 10]  # 10 rows, longest 11
 WIDTH = 16  # padded wider than the longest row
@@ -280,12 +280,12 @@ def test_bad_options_are_refused(options: dict, error: type, match: str) -> None
         fb.Accumulator(model, opt, **options)
 
 
-def test_packer_direct_and_empty() -> None:
-    assert Packer(micro_batch_tokens=4)({"attention_mask": torch.zeros(0, 3)}) == []
+def test_sort_trim_direct_and_empty() -> None:
+    assert SortTrim(micro_batch_tokens=4)({"attention_mask": torch.zeros(0, 3)}) == []
     with pytest.raises(ValueError, match="exactly one"):
-        Packer()
+        SortTrim()
     all_pad = {"attention_mask": torch.zeros(2, 3, dtype=torch.long), "x": torch.ones(2, 3)}
-    micros = Packer(micro_batch_tokens=4, token_keys=("x",))(all_pad)
+    micros = SortTrim(micro_batch_tokens=4, token_keys=("x",))(all_pad)
     assert [tuple(m["x"].shape) for m in micros] == [(2, 1)]  # never narrower than 1
     assert PAD_ID == 0
 
@@ -307,8 +307,8 @@ def test_packer_properties(lengths: list[int], extra: int, tokens: int, size: in
     item = {"attention_mask": mask, "row": torch.arange(len(lengths)), "tag": "t"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        by_tokens = Packer(micro_batch_tokens=tokens)(item)
-    by_rows = Packer(micro_batch_size=size)(item)
+        by_tokens = SortTrim(micro_batch_tokens=tokens)(item)
+    by_rows = SortTrim(micro_batch_size=size)(item)
     for micros in (by_tokens, by_rows):
         assert sorted(int(r) for m in micros for r in m["row"]) == list(range(len(lengths)))
         for m in micros:

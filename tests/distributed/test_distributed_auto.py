@@ -83,3 +83,20 @@ def test_ddp_with_broadcast_buffers_equals_the_found_size_from_the_start() -> No
         for got, want, rank0 in zip(res["auto"], res["fixed"], results[0]["auto"], strict=True):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             assert torch.equal(got[0], rank0[0])  # BatchNorm buffers are per rank
+
+
+def test_auto_under_ddp_reduces_at_step_and_refuses_an_explicit_last() -> None:
+    """An "auto" size needs ``ddp_sync="step"`` under DDP: the default is "step" with it,
+    "last" with a fixed size, and an explicit ``ddp_sync="last"`` with "auto" is a ValueError
+    naming the fix (nothing changed: parameters, optimizer state, DDP's flag)."""
+    results = values(run_ranks(cases.ddp_sync_with_auto, 2, pg_timeout=20))
+    for res in results:
+        # "auto": the whole window runs as one micro-batch, unsynced (reduced at step())
+        assert res["default"] == [False] and res["step"] == [False]
+        assert res["fixed"] == [False, True]  # "last": the last micro-batch synchronizes
+        sizes = ["micro_batch_size", "micro_batch_tokens"]
+        assert len(res["refused"]) == 2
+        for size, message in zip(sizes, res["refused"], strict=True):
+            assert f"{size}='auto' under DDP needs ddp_sync='step'" in message
+            assert "got ddp_sync='last'" in message and "Drop ddp_sync=" in message
+        assert res["unchanged"] and res["flag"] is True

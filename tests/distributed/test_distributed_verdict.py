@@ -1,5 +1,5 @@
 """One verdict in ``fb.Pipeline`` (PP = 2 on 2 gloo ranks): the same non-finite window as in
-tests/integrations/test_one_verdict.py — a NaN loss, or an inf gradient on one stage only — is
+tests/integrations/test_wings_verdict.py — a NaN loss, or an inf gradient on one stage only — is
 skipped on both stages with the same warning, leaves parameters, optimizer and scheduler state
 bitwise as they were, counts ``steps == 2``, and the window after it trains exactly (float64
 full batch over windows 0 and 2, written in tests/_dist_verdict.py)."""

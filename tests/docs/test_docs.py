@@ -353,6 +353,19 @@ def test_docs_pages_exist() -> None:
         assert f"]({name}.md)" in index, f"index.md does not link {name}.md"
 
 
+def test_index_lists_every_accumulator_option() -> None:
+    """docs/index.md's option list names every keyword of ``fb.Accumulator``."""
+    import inspect
+
+    import fullbatch as fb
+
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    options = list(inspect.signature(fb.Accumulator).parameters)[2:]
+    assert len(options) >= 21
+    missing = [n for n in options if f"`{n}=" not in index]
+    assert missing == [], f"docs/index.md does not list {missing}"
+
+
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)\s*#*\s*$")
 

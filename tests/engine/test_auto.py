@@ -98,6 +98,16 @@ def test_auto_equals_the_found_size_from_the_start(fits, found, retries, bn) -> 
     assert fits // 2 < found <= fits
 
 
+def test_ddp_sync_last_with_auto_is_fine_without_ddp() -> None:
+    """``ddp_sync`` only concerns DDP: "last" with "auto" on a plain model trains as without."""
+    model = make_model(3)
+    ref = copy.deepcopy(model)
+    got = train(model, windows(), "auto", ddp_sync="last")
+    want = train(ref, windows(), "auto")
+    for (gs, gp, gb, gz), (ws, wp, wb, wz) in zip(got, want, strict=True):
+        assert gs == ws and gz == wz and _equal(gp, wp) and _equal(gb, wb)
+
+
 def dataclasses_replace(stats, **changes):
     import dataclasses
 

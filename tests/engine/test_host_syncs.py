@@ -186,7 +186,7 @@ def test_splitting_by_length_reads_lengths_and_copies_indices_once_per_window(sp
         assert len(w["micro"]) >= 2 and w["micro"] == [0] * len(w["micro"]), w["events"]
         assert w["h2d"] == [0] * len(w["micro"]), w["events"]
         assert (w["open"], w["step"]) == (1, 1), w["events"]  # the lengths, the step
-        assert "_base/_pack.py" in w["events"].splitlines()[0]
+        assert "_base/_sort_trim.py" in w["events"].splitlines()[0]
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))

@@ -76,7 +76,8 @@ def train(
             return save(*objs)
         for j, micro in enumerate(window):
             loss_sum, n = fb.cross_entropy_sum(model(micro["x"]), micro["y"])
-            if acc._engine.counts is not None:  # up-front normalization: shares of window.totals
+            # up-front normalization: shares of window.totals
+            if acc._engine.micro_plan.counts is not None:
                 window.backward(loss_sum / window.totals["items"])
             else:
                 window.backward(loss_sum, n)
@@ -133,7 +134,7 @@ def test_resume_is_bitwise(mode: str, stop: tuple[int, int | None]) -> None:
     fresh = resumed(mode, stop)
     assert_bitwise(model, fresh[0])
     assert fresh[3].steps == acc.steps
-    assert fresh[2].last_epoch == acc._engine.scheduler.last_epoch
+    assert fresh[2].last_epoch == acc._engine.step_plan.scheduler.last_epoch
 
 
 def test_resume_matches_the_full_batch_reference() -> None:

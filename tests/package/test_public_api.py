@@ -77,6 +77,67 @@ def test_accumulator_options_are_keyword_only() -> None:
     assert sig.parameters["partial_window"].default == "step"
 
 
+# DESIGN.md's Accumulator keywords with their defaults, by group (the docstring's groups).
+ACCUMULATOR_OPTIONS = {
+    "How a loader item becomes micro-batches": {
+        "micro_batches": None,
+        "micro_batch_size": None,
+        "micro_batch_tokens": None,
+        "sort_rows": False,
+        "lengths": "attention_mask",
+        "token_keys": None,
+        "pack": False,
+        "verify_pack": True,
+        "partial_window": "step",
+        "padding_micro_batch": None,
+        "counts": None,
+    },
+    "Sync": {
+        "ddp_sync": None,  # "last", or "step" with an "auto" size
+        "fsdp_sync": None,
+        "grad_divisor": None,
+        "process_group": None,
+        "context_parallel": None,
+    },
+    "The step": {
+        "scheduler": None,
+        "scaler": None,
+        "max_grad_norm": None,
+        "accumulate_dtype": None,
+        "batchnorm": None,
+    },
+}
+
+
+def test_accumulator_options_names_defaults_and_groups() -> None:
+    """Every option keeps its name and default; the docstring presents them in groups."""
+    sig = inspect.signature(fb.Accumulator)
+    got = {n: p.default for n, p in sig.parameters.items() if n not in ("model", "optimizer")}
+    want = {n: d for group in ACCUMULATOR_OPTIONS.values() for n, d in group.items()}
+    assert got == want
+    doc = fb.Accumulator.__doc__ or ""
+    starts = [doc.index(f"**{group}") for group in ACCUMULATOR_OPTIONS]
+    assert starts == sorted(starts)
+    for i, options in enumerate(ACCUMULATOR_OPTIONS.values()):
+        end = starts[i + 1] if i + 1 < len(starts) else len(doc)
+        for name in options:
+            assert f"\n        {name}: " in doc[starts[i] : end], name
+
+
+def test_mode_strings_are_literal_types() -> None:
+    hints = inspect.signature(fb.Accumulator).parameters
+    for name, modes in {
+        "partial_window": ("step", "drop"),
+        "ddp_sync": ("last", "step"),
+        "fsdp_sync": ("window", "micro_batch", "hybrid"),
+        "batchnorm": ("window",),
+        "micro_batch_size": ("auto",),
+        "micro_batch_tokens": ("auto",),
+    }.items():
+        annotation = str(hints[name].annotation)
+        assert "Literal[" + ", ".join(repr(m) for m in modes) + "]" in annotation, annotation
+
+
 def test_probe_signature() -> None:
     """DESIGN.md part 4: fb.probe(model=None, optimizer=None, *, objective, windows, ranks)."""
     sig = inspect.signature(fb.probe)

@@ -1,9 +1,18 @@
 """The leaves: pieces that know nothing of windows or of the Accumulator.
 
-Normalization numbers (``_normalize``), the one decision that ends a window in every wing
-(``_verdict``: skip or step, the factor, the counters and the skip warning), everything that
-talks to ``torch.distributed``
-(``_sync``), cutting rows and packing tokens (``_split``, ``_pack``, ``_autosize``), losses,
-step statistics, the learning-rate rule, RNG states and the skipped-window schedule restore.
-They import nothing from the rest of fullbatch but each other.
+They import nothing from the rest of fullbatch but each other:
+
+- ``_normalize``: the normalization's numbers (``c``, ``W / (c · N)``, counts);
+- ``_verdict``: the one decision that ends a window in every wing (skip or step, the factor,
+  the clip, the counters and the skip warning);
+- ``_sync``: everything that talks to ``torch.distributed`` (a package);
+- cutting loader items: ``_split`` (rows), ``_take`` (rows taken on the device),
+  ``_sort_trim`` (rows sorted by length and trimmed), ``_packed`` (rows packed into one
+  sequence), ``_row_boundaries`` (does packing respect row boundaries on a model),
+  ``_autosize`` (where an ``"auto"`` size stands), ``_rows`` (``fb.row_windows``);
+- ``_losses`` (summed losses and counts), ``_stats`` (:class:`StepStats`), ``_lr``
+  (``fb.scale_lr``), ``_schedule`` (an LR schedule kept across a skipped step);
+- state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model), ``_fingerprint``
+  (what a resumed run must find);
+- ``_versions`` (torch version gates) and ``_warn`` (warnings at the user's line).
 """

@@ -11,9 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
 from fullbatch._base._split import count_rows, split_rows
 
 __all__ = ["AutoSize"]
@@ -31,9 +28,7 @@ class AutoSize:
         self,
         whole: Callable[[Any], int],
         cut: Callable[[Any, int], list[Any]],
-        kind: str = "rows",
     ) -> None:
-        self.kind = kind  # "rows" (micro_batch_size) or "tokens" (micro_batch_tokens)
         self._whole = whole
         self._cut = cut
         self.limit: int | None = None  # None: whole windows (no OOM seen yet)
@@ -44,11 +39,6 @@ class AutoSize:
     @classmethod
     def rows(cls) -> AutoSize:
         return cls(count_rows, split_rows)
-
-    @staticmethod
-    def ddp_sync(model: nn.Module, ddp_sync: str) -> str:
-        """Under DDP, "auto" reduces gradients at ``step()`` (see ``fullbatch._engine._auto``)."""
-        return "step" if isinstance(model, DistributedDataParallel) else ddp_sync
 
     def split(self, item: Any) -> list[Any]:
         """Cut a new window's loader item (``None`` when this rank's loader has ended)."""

@@ -1,6 +1,6 @@
 """The numbers of normalization: counts, the loss constant ``c``, the gradient multiplier.
 
-Every scale factor the library applies is computed here (STYLE rule 2):
+The normalization's scale factors are computed here (STYLE rule 2):
 
 - ``c`` multiplies every loss before backward. It is a power of two, so multiplying by it is
   exact in every floating-point format, and it is ``<= 1 / N`` (within a factor 2) so that
@@ -10,7 +10,12 @@ Every scale factor the library applies is computed here (STYLE rule 2):
   computed in float64, where ``W`` is the divisor the data-parallel wrapper applies.
 
 Whether a window steps at all, and with which of these numbers, is decided once for every
-wing in :mod:`fullbatch._base._verdict`, which calls this module.
+wing in :mod:`fullbatch._base._verdict`, which calls this module; the clip factor
+``min(1, max_grad_norm / (norm + 1e-6))`` is computed there, beside that decision. Two scales
+live with the wing whose objective they express: the GRPO trainer's per-term, per-micro-batch
+gradient scales (``fullbatch.trl._grpo_window.grad_scales``, applied in its backward: the
+share form) and a framework's own divisor ``W`` (Lightning's and the Trainer's ``loss / K``),
+which the wing hands to the verdict.
 """
 
 from __future__ import annotations

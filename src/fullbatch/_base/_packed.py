@@ -22,18 +22,11 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._autosize import AutoSize
-from fullbatch._base._pack import TOKEN_KEYS, Lengths, Packer
+from fullbatch._base._sort_trim import TOKEN_KEYS, Lengths, SortTrim
 from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._warn import warn
 
-__all__ = [
-    "IGNORE",
-    "RowPacker",
-    "check_pack",
-    "first_fit_decreasing",
-    "make_packer",
-]
+__all__ = ["IGNORE", "RowPacker", "first_fit_decreasing"]
 
 IGNORE = -100
 _BUILT = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -65,20 +58,6 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def check_pack(pack: Any, micro_batch_size: Any, micro_batches: Any, tokens: Any) -> bool:
-    """``pack`` as a bool; refused without ``micro_batch_tokens`` (before anything changes)."""
-    if not isinstance(pack, bool):
-        raise ValueError(f"pack must be True or False, got {pack!r}.")
-    if pack and tokens is None:
-        raise ValueError(
-            "pack=True packs each window's rows into micro-batches of at most T real tokens: "
-            "give micro_batch_tokens=T (or 'auto') with it, and have the loader yield whole "
-            f"windows; got micro_batches={micro_batches!r}, "
-            f"micro_batch_size={micro_batch_size!r}, micro_batch_tokens=None."
-        )
-    return pack
-
-
 class RowPacker:
     """Turns one window item into packed micro-batches (one packed row each).
 
@@ -101,7 +80,7 @@ class RowPacker:
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
         self.token_keys = frozenset(TOKEN_KEYS if token_keys is None else token_keys)
-        self._reader = Packer(micro_batch_tokens=1, lengths=lengths)
+        self._reader = SortTrim(micro_batch_tokens=1, lengths=lengths)
         self._warned: set[str] = set()
 
     def __call__(self, item: Any) -> list[dict[str, Any]]:
@@ -275,14 +254,3 @@ class _BinMeta:
             "cu_seq_lens_q": flat[at[2] : at[3]].to(torch.int32),
             "cu_seq_lens_k": flat[at[3] : at[3] + width].to(torch.int32),
         }
-
-
-def make_packer(
-    micro_batch_tokens: int | str, lengths: Lengths, token_keys: Collection[str] | None = None
-) -> tuple[RowPacker, AutoSize | None]:
-    """The Accumulator's splitter for ``pack=True``, and an :class:`AutoSize` for "auto"."""
-    packer = RowPacker(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
-    if micro_batch_tokens == "auto":
-        return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
-    packer.micro_batch_tokens = int(micro_batch_tokens)
-    return packer, None

@@ -1,7 +1,13 @@
 """``fullbatch demo``: train a small causal LM three ways and show which one is the full batch.
 
 This module only declares the options, so that ``fullbatch --help`` imports nothing heavy; the
-work happens in :mod:`fullbatch._demo._main`, imported by :func:`run`.
+work happens in :mod:`fullbatch._demo._main`, imported by :func:`run`:
+
+- ``_main``: the demo from top to bottom; ``_deps``: the ``demo`` extra, checked first;
+- ``_model``, ``_corpus``: the tiny model and tokenizer, the standard library's docstrings;
+- ``_arms``, ``_experiment``: the recipes compared, trained in lockstep;
+- ``_report``, ``_plot``: the table, ``metrics.csv``, the verdict and ``loss.png``;
+- ``_trl_tiny``: tiny models built in code for the TRL examples (``fb.testing``).
 
 >>> import argparse
 >>> from fullbatch import _demo

@@ -1,8 +1,22 @@
 """The engine: one window's life, from the loader item to the optimizer step.
 
-Options and services (``_options``, ``_core``), the loader's micro-batches (``_feed``), the
-loop guard, window hooks, gradient buffers, BatchNorm window statistics, Accelerate's wrapped
-optimizer (``_prepared``), the window-start exchange (``_start``), the step (``_step``), the
-drivers (``_run``, ``_auto``, ``_coupled``), checkpoints (``_resume``) and, on top, the user's
-handles ``Window`` and ``Accumulator``. Imports run downwards only (tests/package/test_imports.py).
+One job per module, in import order (imports run downwards only, tests/package/test_imports.py):
+
+- ``_micro_plan``, ``_step_plan``: the options, parsed once into :class:`MicroBatchPlan` (how
+  a loader item becomes micro-batches) and :class:`StepPlan` (scheduler, scaler, clip,
+  ``accumulate_dtype``, ``batchnorm``); the sync options are ``_base._sync.SyncPlan``;
+- services: ``_guards`` (leftovers of a hand loop), ``_hooks`` (window hooks), ``_precision``
+  (``accumulate_dtype``'s buffers), ``_batchnorm`` (window statistics), ``_prepared`` and
+  ``_boosted`` (Accelerate's and ColossalAI's wrapped objects), ``_dcp`` (DCP's own optimizer
+  step), ``_mistakes``, ``_labels`` and ``_route`` (migration mistakes caught before backward);
+- ``_state`` (:class:`WindowState`) and ``_core`` (:class:`Engine`: services, plans,
+  counters and the open window, handed to every helper);
+- a window's life: ``_feed`` (the loader's micro-batches), ``_checkpoint`` and
+  ``_resume_check`` (what a state holds and expects), ``_start`` (the window-start exchange),
+  ``_open`` (opening and ending a window), ``_read`` (the step's one host read), ``_step``
+  (the step), ``_run`` and ``_verify_pack`` (``window.run``, the ``pack=True`` checks),
+  ``_auto`` (``"auto"`` sizes), ``_coupled`` (``window.run_coupled``), ``_resume``
+  (``state_dict`` / ``load_state_dict``);
+- the user's handles: ``_window`` (:class:`Window`), ``_windows`` (``acc.windows(loader)``)
+  and ``_accumulator`` (:class:`Accumulator`).
 """

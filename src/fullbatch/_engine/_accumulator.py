@@ -4,34 +4,28 @@ order at the step); the training loop stays the user's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fullbatch._base._pack import Lengths, make_splitter
-from fullbatch._base._packed import check_pack, make_packer
-from fullbatch._base._sync import make_sync
+from fullbatch._base._sort_trim import Lengths
+from fullbatch._base._sync import SyncPlan
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._micro_plan import MicroBatchPlan
 from fullbatch._engine._mistakes import MistakeChecks, warn_untrained
 from fullbatch._engine._open import open_window
-from fullbatch._engine._options import (
-    check_options,
-    check_packing,
-    check_token_keys,
-    check_window_size,
-    trained_params,
-)
-from fullbatch._engine._pack_check import FirstWindowCheck
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
 from fullbatch._engine._resume import Resume
+from fullbatch._engine._step_plan import StepPlan, trained_params
+from fullbatch._engine._verify_pack import FirstWindowCheck
 from fullbatch._engine._window import Window
 from fullbatch._engine._windows import Windows
 
@@ -51,20 +45,23 @@ class Accumulator:
             model inside the boosted model (``acc.model``), the optimizer inside the
             ``OptimizerWrapper``. Plugins that keep gradients outside ``.grad`` (ZeRO, Gemini)
             are refused.
+
+    **How a loader item becomes micro-batches** (exactly one of the three sizes):
+
+    Args:
         micro_batches: the loader yields micro-batches; this many per rank make a window.
         micro_batch_size: the loader yields whole windows; each is split into micro-batches
             of this many rows (tensors with rows first; other leaves go to every micro-batch).
-            Exactly one of ``micro_batches``, ``micro_batch_size`` and ``micro_batch_tokens``
-            is given. ``"auto"`` (for either size, only with :meth:`Window.run` or
-            :meth:`Window.run_coupled`): start from
-            the whole window, halve on ``torch.OutOfMemoryError`` and re-run the window from
-            its start; the size that worked is kept (``acc.micro_batch_size`` /
-            ``acc.micro_batch_tokens``). Under DDP it implies ``ddp_sync="step"``.
+            ``"auto"`` (for either size, only with :meth:`Window.run` or
+            :meth:`Window.run_coupled`): start from the whole window, halve on
+            ``torch.OutOfMemoryError`` and re-run the window from its start; the size that
+            worked is kept (``acc.micro_batch_size`` / ``acc.micro_batch_tokens``). Under DDP
+            it needs ``ddp_sync="step"`` (the default with it).
         micro_batch_tokens: the loader yields whole windows; each window's rows are sorted by
             length (longest first) and cut into micro-batches of at most this many padded
             tokens (rows x longest row), each trimmed to its own longest row. A row longer
             than the budget is a micro-batch of its own (warned once). Exact: regrouping rows
-            and cutting trailing padding change nothing but rounding.
+            and cutting trailing padding change nothing but rounding. An integer or ``"auto"``.
         sort_rows: with ``micro_batch_size``: sort each window's rows by length first and trim
             each micro-batch to its own longest row (same rows per micro-batch, less padding).
         lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
@@ -74,6 +71,13 @@ class Accumulator:
             follow their rows; other leaves go to every micro-batch. A mask that is not
             right-padded (left padding) is regrouped but not trimmed (still exact; warned
             once). A missing key raises ``ValueError``.
+        token_keys: with ``micro_batch_tokens`` or ``sort_rows``: the keys holding one value
+            per token, trimmed with the rows (or packed). ``None``: the lengths key and the
+            usual token keys (``input_ids``, ``attention_mask``, ``labels``,
+            ``position_ids``, ``token_type_ids``, ...); another tensor whose dimension 1
+            equals the padded length is refused with ``ValueError`` (one value per token or
+            per row? a guess would cut per-row data). Given: exactly these keys are trimmed;
+            other tensors follow their rows whole.
         pack: with ``micro_batch_tokens=T``: pack each window's rows (right-padded) first-fit-
             decreasing into micro-batches of at most ``T`` real tokens, each one packed row
             (``position_ids`` restarting at every row, each row's first label ``-100``, no
@@ -87,13 +91,35 @@ class Accumulator:
             ``for micro in window`` loop checks the first such micro-batch's own forward
             before its backward: no row's outputs may depend on another row's tokens).
             ``False`` skips both.
-        token_keys: with ``micro_batch_tokens`` or ``sort_rows``: the keys holding one value
-            per token, trimmed with the rows (or packed). ``None``: the lengths key and the
-            usual token keys (``input_ids``, ``attention_mask``, ``labels``,
-            ``position_ids``, ``token_type_ids``, ...); another tensor whose dimension 1
-            equals the padded length is refused with ``ValueError`` (one value per token or
-            per row? a guess would cut per-row data). Given: exactly these keys are trimmed;
-            other tensors follow their rows whole.
+        partial_window: ``"step"`` steps a last, shorter window normalized by its own count;
+            ``"drop"`` drops it on every rank (only with ``micro_batches``).
+        padding_micro_batch: a callable returning a micro-batch for ranks that run padding
+            micro-batches (distributed); by default the rank's last real micro-batch is used.
+        counts: ``{name: fn(micro) -> number}``; their global sums over the window are
+            ``window.totals`` before the first backward (the window is read ahead).
+
+    **Sync** (how counts and gradients are combined over ranks):
+
+    Args:
+        ddp_sync: ``"last"`` (each rank's last micro-batch synchronizes) or ``"step"`` (one
+            bucketed all-reduce at ``step()``: several backward calls, ranks with no data).
+            Default: ``"last"``, or ``"step"`` with an ``"auto"`` size, which needs it (a rank
+            that runs out of memory must be able to stop anywhere, so no collective may run
+            inside a backward); ``ddp_sync="last"`` with ``"auto"`` raises ``ValueError``.
+        fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch; the default on
+            a 1-D mesh), ``"micro_batch"`` (every micro-batch; less memory) or, on a 2-D
+            (replicate, shard) HSDP mesh, ``"hybrid"`` (reduce-scatter every micro-batch, the
+            cross-replica all-reduce once per window; the default there).
+        grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
+        process_group: checked against the wrapper's group; a different one raises.
+        context_parallel: the process group of ranks holding other pieces of this rank's rows
+            (context parallelism). Each rank counts the items it holds; counts are summed
+            over data-parallel x context-parallel ranks, and gradients over the CP group at
+            ``step()`` unless the wrapper's group already contains it.
+
+    **The step**:
+
+    Args:
         scheduler: stepped once per optimizer step (not on skipped windows). An Accelerate
             ``AcceleratedScheduler`` keeps its own rule (``num_processes`` inner steps per
             optimizer step unless ``split_batches``).
@@ -101,31 +127,17 @@ class Accumulator:
             updated once per window.
         max_grad_norm: clip the total gradient 2-norm to this value (the reported norm is
             the one before clipping).
-        partial_window: ``"step"`` steps a last, shorter window normalized by its own count;
-            ``"drop"`` drops it on every rank (only with ``micro_batches``).
-        counts: ``{name: fn(micro) -> number}``; their global sums over the window are
-            ``window.totals`` before the first backward (the window is read ahead).
-        process_group: checked against the wrapper's group; a different one raises.
-        batchnorm: ``"window"`` gives BatchNorm layers the running statistics of the whole
-            window; ``None`` warns when the model has BatchNorm layers in training mode.
-        padding_micro_batch: a callable returning a micro-batch for ranks that run padding
-            micro-batches (distributed); by default the rank's last real micro-batch is used.
-        ddp_sync: ``"last"`` (each rank's last micro-batch synchronizes) or ``"step"`` (one
-            bucketed all-reduce at ``step()``: several backward calls, ranks with no data).
-        fsdp_sync: ``"window"`` (reduce-scatter once, on the last micro-batch; the default on
-            a 1-D mesh), ``"micro_batch"`` (every micro-batch; less memory) or, on a 2-D
-            (replicate, shard) HSDP mesh, ``"hybrid"`` (reduce-scatter every micro-batch, the
-            cross-replica all-reduce once per window; the default there).
-        context_parallel: the process group of ranks holding other pieces of this rank's rows
-            (context parallelism). Each rank counts the items it holds; counts are summed
-            over data-parallel x context-parallel ranks, and gradients over the CP group at
-            ``step()`` unless the wrapper's group already contains it.
-        grad_divisor: what a custom DDP comm hook divides gradients by (1 for a summing hook).
         accumulate_dtype: ``torch.float32`` keeps a float32 gradient buffer for each bf16/fp16
             parameter across the window (4 bytes per such parameter element); the norm,
             normalization and clipping are computed from it, and the optimizer gets it cast
             once to the parameter's dtype. Wider parameters are untouched. Under DDP it needs
             ``ddp_sync="step"``; not with FSDP2 or a GradScaler (``ValueError``).
+        batchnorm: ``"window"`` gives BatchNorm layers the running statistics of the whole
+            window; ``None`` warns when the model has BatchNorm layers in training mode.
+
+    Raises:
+        ValueError: a bad option, or two that do not go together (the message names the fix);
+            nothing is changed.
 
     Example:
         >>> import torch, fullbatch as fb
@@ -147,50 +159,58 @@ class Accumulator:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        # how a loader item becomes micro-batches
         micro_batches: int | None = None,
-        micro_batch_size: int | str | None = None,
+        micro_batch_size: int | Literal["auto"] | None = None,
+        micro_batch_tokens: int | Literal["auto"] | None = None,
+        sort_rows: bool = False,
+        lengths: Lengths = "attention_mask",
+        token_keys: Collection[str] | None = None,
+        pack: bool = False,
+        verify_pack: bool = True,
+        partial_window: Literal["step", "drop"] = "step",
+        padding_micro_batch: Callable[[], Any] | None = None,
+        counts: Mapping[str, Callable[[Any], Any]] | None = None,
+        # sync
+        ddp_sync: Literal["last", "step"] | None = None,
+        fsdp_sync: Literal["window", "micro_batch", "hybrid"] | None = None,
+        grad_divisor: float | None = None,
+        process_group: Any = None,
+        context_parallel: Any = None,
+        # the step
         scheduler: Any = None,
         scaler: Any = None,
         max_grad_norm: float | None = None,
-        partial_window: str = "step",
-        counts: Mapping[str, Callable[[Any], Any]] | None = None,
-        process_group: Any = None,
-        batchnorm: str | None = None,
-        padding_micro_batch: Callable[[], Any] | None = None,
-        ddp_sync: str = "last",
-        fsdp_sync: str | None = None,
-        grad_divisor: float | None = None,
-        micro_batch_tokens: int | str | None = None,
-        sort_rows: bool = False,
-        lengths: Lengths = "attention_mask",
         accumulate_dtype: torch.dtype | None = None,
-        context_parallel: Any = None,
-        pack: bool = False,
-        verify_pack: bool = True,
-        token_keys: Collection[str] | None = None,
+        batchnorm: Literal["window"] | None = None,
     ) -> None:
-        micro_batches, size = check_window_size(
-            micro_batches, micro_batch_size, partial_window, micro_batch_tokens=micro_batch_tokens
-        )
-        tokens = check_packing(micro_batch_size, micro_batch_tokens, sort_rows, lengths)
-        token_keys = check_token_keys(token_keys, tokens, sort_rows)
-        # How a loader item becomes micro-batches; "auto" sizes halve on OOM (window.run[_coupled]).
-        pack = check_pack(pack, micro_batch_size, micro_batches, tokens)
-        split: Callable[[Any], list[Any]]
-        if pack:
-            assert tokens is not None
-            split, auto = make_packer(tokens, lengths, token_keys)
-        else:
-            split, auto = make_splitter(size, tokens, sort_rows, lengths, token_keys)
-        if not isinstance(verify_pack, bool):
-            raise ValueError(f"verify_pack must be True or False, got {verify_pack!r}.")
-        if auto is not None:
-            ddp_sync = auto.ddp_sync(model, ddp_sync)
-        check_options(
-            max_grad_norm=max_grad_norm,
-            counts=counts,
-            batchnorm=batchnorm,
+        # Every option is parsed, and checked, before anything changes.
+        micro_plan = MicroBatchPlan(
+            micro_batches=micro_batches,
+            micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
+            sort_rows=sort_rows,
+            lengths=lengths,
+            token_keys=token_keys,
+            pack=pack,
+            verify_pack=verify_pack,
+            partial_window=partial_window,
             padding_micro_batch=padding_micro_batch,
+            counts=counts,
+        )
+        sync_plan = SyncPlan(
+            ddp_sync=ddp_sync,
+            fsdp_sync=fsdp_sync,
+            grad_divisor=grad_divisor,
+            process_group=process_group,
+            context_parallel=context_parallel,
+        )
+        step_plan = StepPlan(
+            scheduler=scheduler,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            accumulate_dtype=accumulate_dtype,
+            batchnorm=batchnorm,
         )
         # ColossalAI's boosted DDP model and optimizer, Accelerate's AcceleratedOptimizer:
         # fullbatch syncs the DDP model inside, hooks, steps and clears the inner optimizer.
@@ -200,20 +220,13 @@ class Accumulator:
         check_optimizer(optimizer)
         self.model = model
         self.optimizer = optimizer
-        scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        sync = make_sync(
-            model,
-            process_group=process_group,
-            ddp_sync=ddp_sync,
-            fsdp_sync=fsdp_sync,
-            grad_divisor=grad_divisor,
-            context_parallel=context_parallel,
-        )
+        auto = micro_plan.size_name if micro_plan.is_auto else None
+        sync = sync_plan.make(model, auto=auto)
         params = trained_params(model, optimizer, distributed=sync.group is not None)
         # Before any hook is registered: a refusal leaves nothing behind.
-        precision = make_grad_buffers(accumulate_dtype, params, sync, scaler)
-        window_bn = WindowBatchNorm(model) if batchnorm == "window" else None
-        warn_batchnorm(model, window_statistics=batchnorm == "window")
+        buffers = make_grad_buffers(step_plan.accumulate_dtype, params, sync, step_plan.scaler)
+        window_bn = WindowBatchNorm(model) if step_plan.window_batchnorm else None
+        warn_batchnorm(model, window_statistics=step_plan.window_batchnorm)
         warn_untrained(model, optimizer)
         self._engine = Engine(
             model=model,
@@ -223,30 +236,18 @@ class Accumulator:
             guard=LoopGuard(optimizer, prepared.watched_scheduler, params),
             prepared=prepared,
             window_hooks=WindowHooks(),
-            scheduler=scheduler,
-            scaler=scaler,
-            precision=precision,
-            batchnorm=window_bn,
-            auto=auto,
-            split=split,
-            counts=dict(counts) if counts is not None else None,
-            padding_micro_batch=padding_micro_batch,
-            partial_window=partial_window,
-            micro_batches=micro_batches,
-            micro_batch_size=size if isinstance(size, int) else None,
-            micro_batch_tokens=tokens if isinstance(tokens, int) else None,
-            sort_rows=sort_rows,
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            stat_device=params[0].device if sync.group is None else sync.device,
             mistakes=MistakeChecks(
                 model,
                 optimizer,
                 sync=sync,
                 scheduler=scheduler,
-                micro_batch_size=size if isinstance(size, int) else None,
+                micro_batch_size=micro_plan.fixed_rows,
             ),
-            pack=pack,
-            pack_check=FirstWindowCheck() if pack and verify_pack else None,
+            grad_buffers=buffers,
+            batchnorm=window_bn,
+            pack_check=FirstWindowCheck() if micro_plan.checks_packing else None,
+            micro_plan=micro_plan,
+            step_plan=step_plan,
         )
         self._resume = Resume(self._engine)
 
@@ -268,10 +269,8 @@ class Accumulator:
         with (its whole row count until an out-of-memory error set a limit; that limit
         afterwards, or the window's rows when it has fewer). ``None`` with ``micro_batches``.
         """
-        auto = self._engine.auto
-        if auto is not None and auto.kind == "rows":
-            return auto.size
-        return self._engine.micro_batch_size
+        plan = self._engine.micro_plan
+        return plan.size if plan.size_name == "micro_batch_size" else None
 
     @property
     def micro_batch_tokens(self) -> int | None:
@@ -280,10 +279,8 @@ class Accumulator:
         With ``micro_batch_tokens="auto"``: ``None`` before the first window, then the budget
         the last window ran with. ``None`` when micro-batches are sized in rows.
         """
-        auto = self._engine.auto
-        if auto is not None and auto.kind == "tokens":
-            return auto.size
-        return self._engine.micro_batch_tokens
+        plan = self._engine.micro_plan
+        return plan.size if plan.size_name == "micro_batch_tokens" else None
 
     # -- windows ---------------------------------------------------------------------------
 
@@ -305,14 +302,12 @@ class Accumulator:
         self._check_usable()
         check_loader(loader)
         engine = self._engine
+        plan = engine.micro_plan
         engine.mistakes.loader(
-            loader, micro_batches=engine.micro_batches, resuming=engine.pending is not None
+            loader, micro_batches=plan.micro_batches, resuming=engine.pending is not None
         )
         return Windows(
-            self._iterate(loader),
-            loader,
-            micro_batches=self._engine.micro_batches,
-            drop=self._engine.partial_window == "drop",
+            self._iterate(loader), loader, micro_batches=plan.micro_batches, drop=plan.drop
         )
 
     def _iterate(self, loader: Any) -> Iterator[Window]:
@@ -355,23 +350,17 @@ class Accumulator:
     def _next_feed(self, stream: Stream) -> tuple[Feed, Any]:
         """The next window's micro-batches, and its first loader item (None: this rank has none)."""
         engine = self._engine
-        if engine.micro_batches is None:  # each loader item is a window
+        plan = engine.micro_plan
+        if plan.items_are_windows:
             ok, item = stream.next()
-            if engine.auto is not None:
-                micros = engine.auto.split(item if ok else None)
-            else:
-                micros = engine.split(item) if ok else []
+            micros = plan.cut(item, ended=not ok)
             if ok and not micros:
                 raise ValueError("a loader item has 0 rows; an empty window cannot be stepped.")
             if micros:  # pad with one micro-batch of this rank, never with a whole window
                 stream.last = micros[-1]
             return Feed(micros), item if ok else None
-        feed = Feed([], stream, engine.micro_batches or 0)
-        if (
-            engine.partial_window == "drop"
-            or engine.counts is not None
-            or engine.sync.equal_micro_batches
-        ):
+        feed = Feed([], stream, plan.micro_batches or 0)
+        if plan.reads_ahead or engine.sync.equal_micro_batches:
             feed.fill()
         else:
             feed.lookahead()

@@ -80,7 +80,8 @@ class _Snapshot:
 
     def __init__(self, engine: Engine) -> None:
         self.rng = RngState()
-        self.scaler = engine.scaler.state_dict() if engine.scaler is not None else None
+        scaler = engine.step_plan.scaler
+        self.scaler = scaler.state_dict() if scaler is not None else None
         self.buffers = [
             (b, b.detach().clone())
             for m in engine.model.modules()
@@ -94,8 +95,9 @@ class _Snapshot:
 
     def restore(self, engine: Engine) -> None:
         self.rng.restore()
-        if engine.scaler is not None and self.scaler is not None:
-            engine.scaler.load_state_dict(self.scaler)
+        scaler = engine.step_plan.scaler
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
@@ -107,7 +109,9 @@ def _attempt(
     window: Handle, fn: MicroBatchFn, auto: AutoSize, sync: Sync, runner: Runner
 ) -> list[list[float]] | None:
     """Run the window's micro-batches; None when no rank ran out of memory, else the table."""
-    fsdp = sync.kind == "fsdp2"
+    # FSDP2: a backward runs collectives (DDP under "auto" reduces at step(): none), so the
+    # ranks agree between fn and the backward, and an OOM inside a backward cannot be agreed.
+    in_backward = sync.syncs_in_backward
     phase = ["forward"]
 
     def forward(micro: Any) -> Any:
@@ -115,7 +119,7 @@ def _attempt(
         return fn(micro)
 
     def before_backward() -> None:
-        if fsdp:
+        if in_backward:
             check_peers(sync)
         phase[0] = "backward"
 
@@ -125,7 +129,7 @@ def _attempt(
         return peer.table
     except torch.OutOfMemoryError:
         fatal = auto.used <= 1
-        if fsdp and phase[0] == "backward":
+        if in_backward and phase[0] == "backward":
             abandon_locally(window)
             raise  # the others are inside the backward's collectives: no agreement possible
         table = _agree(sync, oom=True, fatal=fatal, used=auto.used)
@@ -169,7 +173,7 @@ def _free() -> None:
 def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batches) -> StepStats:
     """The body of :meth:`Window.run` and :meth:`Window.run_coupled` under "auto"."""
     engine = window._engine
-    auto, stream = engine.auto, window._state.stream
+    auto, stream = engine.micro_plan.auto, window._state.stream
     assert auto is not None and stream is not None
     sync = engine.sync
     snapshot = _Snapshot(engine)
@@ -193,9 +197,9 @@ def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batche
             if fatal:
                 raise RuntimeError(
                     f"rank(s) {fatal} ran out of memory with micro-batches of one row; "
-                    "micro_batch_size='auto' has nothing smaller to try (their error is "
-                    "raised there). Use a smaller model, activation checkpointing or lower "
-                    "precision."
+                    f"{engine.micro_plan.size_name}='auto' has nothing smaller to try (their "
+                    "error is raised there). Use a smaller model, activation checkpointing or "
+                    "lower precision."
                 )
             limit = min(int(r[_USED]) // 2 for r in table if r[_OOM])
             _free()

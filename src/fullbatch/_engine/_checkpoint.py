@@ -50,11 +50,8 @@ def param_names(engine: Engine) -> list[str]:
 def identity(engine: Engine, names: list[str]) -> dict[str, Any]:
     """What a state must share with the Accumulator that loads it."""
     return {
-        "mode": _mode(engine),
-        "window_size": engine.micro_batches
-        or engine.micro_batch_size
-        or engine.micro_batch_tokens
-        or "auto",
+        "mode": engine.micro_plan.mode,
+        "window_size": engine.micro_plan.checkpoint_size,
         "sync": engine.sync.kind,
         "world_size": engine.sync.world,
         "rank": engine.sync.rank,
@@ -62,16 +59,6 @@ def identity(engine: Engine, names: list[str]) -> dict[str, Any]:
         "params": list(names),
         "shapes": [list(p.shape) for p in engine.params],
     }
-
-
-def _mode(engine: Engine) -> str:
-    """How windows are cut: a state from another mode would resume at the wrong place."""
-    if engine.micro_batches is not None:
-        return "micro_batches"
-    kind = engine.auto.kind if engine.auto is not None else None
-    if engine.micro_batch_tokens is not None or kind == "tokens":
-        return "micro_batch_tokens"
-    return "micro_batch_size" + (", sort_rows" if engine.sort_rows else "")
 
 
 def optimizer_progress(optimizer: torch.optim.Optimizer) -> list[float]:

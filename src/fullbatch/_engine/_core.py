@@ -1,4 +1,4 @@
-"""``Engine``: what a window needs from its Accumulator, as one value of services and options.
+"""``Engine``: what a window needs from its Accumulator, as one value of services and plans.
 
 Every helper of the engine takes an :class:`Engine` (and the window's state), never the
 Accumulator: the Accumulator builds one in its constructor and hands it down, so imports run
@@ -8,37 +8,44 @@ from the Accumulator to the helpers and never back. The drivers see the user's w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fullbatch._base._autosize import AutoSize
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
 from fullbatch._base._verdict import WindowCounters
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._micro_plan import MicroBatchPlan
 from fullbatch._engine._mistakes import MistakeChecks
 from fullbatch._engine._precision import GradBuffers
 from fullbatch._engine._prepared import Prepared
 from fullbatch._engine._state import WindowState
+from fullbatch._engine._step_plan import StepPlan
 
 __all__ = ["Engine", "Handle"]
 
 
 @dataclass(eq=False)
 class Engine:
-    """The Accumulator's services, options and counters (one per Accumulator).
+    """The Accumulator's services, plans, counters and open window (one per Accumulator).
+
+    The options are not fields: they are parsed once into the two plans, which the helpers
+    ask (``engine.micro_plan.is_auto``, ``engine.step_plan.scaler``), and the wrapper's facts
+    are the sync's capabilities (``engine.sync.syncs_in_backward``).
 
     >>> import dataclasses
     >>> [f.name for f in dataclasses.fields(Engine)][:3]
     ['model', 'optimizer', 'params']
     """
 
+    # -- services --------------------------------------------------------------------------
     model: nn.Module
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]
@@ -46,37 +53,33 @@ class Engine:
     guard: LoopGuard
     prepared: Prepared
     window_hooks: WindowHooks
-    scheduler: Any
-    scaler: Any  # an enabled GradScaler, or None
-    precision: GradBuffers | None  # accumulate_dtype's float32 buffers
-    batchnorm: WindowBatchNorm | None
-    auto: AutoSize | None  # an "auto" size
-    split: Callable[[Any], list[Any]]  # how a loader item becomes micro-batches
-    counts: dict[str, Callable[[Any], Any]] | None
-    padding_micro_batch: Callable[[], Any] | None
-    partial_window: str
-    micro_batches: int | None
-    micro_batch_size: int | None
-    micro_batch_tokens: int | None
-    sort_rows: bool
-    max_grad_norm: float | None
-    stat_device: torch.device
     mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
+    grad_buffers: GradBuffers | None  # accumulate_dtype's float32 buffers
+    batchnorm: WindowBatchNorm | None  # batchnorm="window"'s statistics
+    pack_check: Any  # pack=True with verify_pack: the first window's check (_verify_pack)
+    # -- plans: the options, parsed once ---------------------------------------------------
+    micro_plan: MicroBatchPlan  # how a loader item becomes micro-batches
+    step_plan: StepPlan  # scheduler, scaler, clip, accumulation dtype, BatchNorm statistics
+    # -- counters --------------------------------------------------------------------------
     counters: WindowCounters = field(default_factory=WindowCounters)  # steps, skipped windows
     loss_scale: float | None = None  # c of the next window; None before the first
-    closed: bool = False
+    start_problems: int = 0  # resume problems found before the next window start (_resume_check)
+    # -- the window slot -------------------------------------------------------------------
     window: WindowState | None = None  # the open window: set by open_window, cleared by end
     pending: dict[str, Any] | None = None  # a loaded state, restored into the next window
-    start_problems: int = 0  # resume problems found before the next window start (_resume_check)
-    pack: bool = False  # pack=True: micro-batches are packed rows (_base._packed)
-    pack_check: Any = None  # pack=True: the first window's packing check (_pack_check)
+    closed: bool = False
+
+    @cached_property
+    def stat_device(self) -> torch.device:
+        """Where the window's numbers live: the collectives' device, or the parameters'."""
+        return self.params[0].device if self.sync.group is None else self.sync.device
 
     def clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
-        if self.precision is not None:
-            self.precision.clear()
+        if self.grad_buffers is not None:
+            self.grad_buffers.clear()
 
 
 class Handle(Protocol):

@@ -181,7 +181,7 @@ def run_coupled(window: Handle, encode: EncodeFn, loss: LossFn) -> StepStats:
             f"window.run_coupled on window {window._state.index}, which was already iterated; call "
             "it instead of `for micro in window:`, not after."
         )
-    if engine.auto is not None:
+    if engine.micro_plan.is_auto:
         # An OOM in either pass re-runs the whole window (both passes) with half the size.
         # Under DDP/FSDP2 the ranks agree before each collective of the loss step.
         def runner(attempt: Handle, enc: EncodeFn, before_backward: Callable[[], None]) -> None:

@@ -162,7 +162,7 @@ class MistakeChecks:
         self._first: Any = None  # a weak reference to the first window (the route hooks' life)
         self._route: ForwardRoute | None = None
         inner = getattr(model, "module", None)
-        if sync.kind == "ddp" and not sync.reduce_at_step and isinstance(inner, nn.Module):
+        if sync.needs_wrapper_forward and isinstance(inner, nn.Module):
             self._route = ForwardRoute(model, inner)
         self._size = micro_batch_size
         self._size_checks = _SIZE_CHECKS if micro_batch_size is not None else 0

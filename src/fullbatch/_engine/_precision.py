@@ -40,34 +40,31 @@ def _narrower(param: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def make_grad_buffers(
-    accumulate_dtype: Any, params: list[nn.Parameter], sync: Any, scaler: Any
+    accumulate_dtype: torch.dtype | None, params: list[nn.Parameter], sync: Any, scaler: Any
 ) -> GradBuffers | None:
-    """Validate ``accumulate_dtype``; ``None`` when no parameter is narrower than it.
+    """The buffers for ``accumulate_dtype`` (a floating dtype, checked by ``StepPlan``);
+    ``None`` when no parameter is narrower than it.
 
     Raises:
-        ValueError: not a floating ``torch.dtype``; FSDP2; DDP without ``ddp_sync="step"``; a
-            GradScaler, when some parameter would be buffered.
+        ValueError: a sharded wrapper (FSDP2); a wrapper that synchronizes inside the backward
+            (DDP without ``ddp_sync="step"``); a GradScaler, when some parameter would be
+            buffered.
     """
     if accumulate_dtype is None:
         return None
-    if not isinstance(accumulate_dtype, torch.dtype) or not accumulate_dtype.is_floating_point:
-        raise ValueError(
-            f"accumulate_dtype must be a floating torch dtype, got {accumulate_dtype!r}; "
-            "use accumulate_dtype=torch.float32 to accumulate bf16/fp16 gradients in float32."
-        )
     buffered = [p for p in params if _narrower(p, accumulate_dtype)]
     if not buffered:
         return None
     kinds = sorted({str(p.dtype) for p in buffered})
     what = f"accumulate_dtype={accumulate_dtype} with {len(buffered)} {'/'.join(kinds)} parameters"
-    if sync.kind == "fsdp2":
+    if sync.sharded:
         raise ValueError(
             f"{what} under FSDP2 is not supported: keep float32 sharded parameters and let "
             "FSDP2 accumulate in float32, fully_shard(model, mp_policy=MixedPrecisionPolicy("
             "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), and drop "
             "accumulate_dtype."
         )
-    if sync.kind == "ddp" and not sync.reduce_at_step:
+    if sync.syncs_in_backward:
         raise ValueError(
             f"{what} under DDP needs ddp_sync='step': with 'last', DDP averages the "
             "low-precision .grad of the final backward only, not the float32 buffers. Build "

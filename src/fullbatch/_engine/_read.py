@@ -96,7 +96,8 @@ def read_numbers(
     # The form is agreed over ranks: a rank without micro-batches made no call at all.
     form_slot = _SHARE_CALLS if state.form == "share" else _COUNT_CALLS
     summed[form_slot] = zero + state.backwards
-    scale = _scale_tensor(engine.scaler) if engine.scaler is not None else None
+    scaler = engine.step_plan.scaler
+    scale = _scale_tensor(scaler) if scaler is not None else None
     if scale is not None:
         local[_SCALE] = scale.to(device, dtype)
     lr = _lr_tensor(engine)

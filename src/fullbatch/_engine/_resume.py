@@ -155,8 +155,8 @@ class Resume:
         """Raise where a state would lose work: an "auto" or ``accumulate_dtype`` window, a
         micro-batch without its backward yet, or gradients FSDP2 holds itself."""
         engine = self._engine
-        if engine.auto is not None or engine.precision is not None:
-            what = "an 'auto' size" if engine.auto is not None else "accumulate_dtype"
+        if engine.micro_plan.is_auto or engine.grad_buffers is not None:
+            what = "an 'auto' size" if engine.micro_plan.is_auto else "accumulate_dtype"
             raise RuntimeError(
                 f"acc.state_dict() inside window {window.index} with {what}: the window's "
                 "state (the size it runs with, or the float32 gradient buffers) is not part of "
@@ -169,18 +169,11 @@ class Resume:
                 "resume. Take the state after window.backward(loss_sum, n), at the end of the "
                 "loop body."
             )
-        sync = engine.sync
-        mode = getattr(sync, "mode", "")
-        fsdp_held = sync.kind == "fsdp2" and mode in ("window", "hybrid")
-        if fsdp_held and not window.final_backward:
-            what = "unsharded gradients" if mode == "window" else "partial (un-all-reduced) shards"
+        held = engine.sync.held_grads()
+        if held is not None and not window.final_backward:
             raise RuntimeError(
-                f"acc.state_dict() inside window {window.index} with FSDP2 and "
-                f"fsdp_sync={mode!r}: FSDP2 holds the window's {what} itself until "
-                "the last micro-batch, out of a state's reach. Build the Accumulator with "
-                "fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-scattered into "
-                "the sharded .grad, which the state holds), or take the state at a window "
-                "boundary (after window.step())."
+                f"acc.state_dict() inside window {window.index} {held}, or take the state at a "
+                "window boundary (after window.step())."
             )
 
     # -- load_state_dict -------------------------------------------------------------------------

@@ -56,10 +56,8 @@ def _everyone_reads(engine: Engine, index: int) -> bool:
         or index == 0
         or engine.loss_scale is None
         or engine.pending is not None
-        or engine.partial_window == "drop"
+        or engine.micro_plan.decides_at_start
         or engine.sync.equal_micro_batches
-        or engine.counts is not None
-        or engine.auto is not None
     )
 
 
@@ -77,18 +75,19 @@ def start_window(
     real = feed.real
     grads = any(p.grad is not None for p in engine.params)
     # The first window's c comes from an estimate of its items (all ranks together).
-    expected = len(real) if feed.read_all else engine.micro_batches or 1
+    plan = engine.micro_plan
+    expected = len(real) if feed.read_all else plan.micro_batches or 1
     hint = estimate_items(real[0]) * expected if real and engine.loss_scale is None else 0.0
-    can_pad = engine.padding_micro_batch is not None or stream.last is not None
+    can_pad = plan.padding_micro_batch is not None or stream.last is not None
     row = [
         float(len(real)),
-        float(feed.full if engine.partial_window == "drop" else True),
+        float(feed.full if plan.drop else True),
         float(can_pad),
         hint,
         float(grads),
         *resume.row(),
     ]
-    names = list(engine.counts or {})
+    names = list(plan.counts or {})
     if sync.group is None:
         table = [row + (_local_totals(engine, real).tolist() if names else [])]  # one read
     else:
@@ -105,7 +104,7 @@ def start_window(
             return Start(engine.loss_scale, None)  # nothing to decide on this rank
         table = gathered.tolist()  # the window start's one read (a host tensor on gloo)
     rows = [r[: len(row)] for r in table]
-    need = _need(engine, rows)
+    need = engine.sync.padding([int(r[_REAL]) for r in rows])
     have = [int(r[_REAL]) + n for r, n in zip(rows, need, strict=True)]
     resume.verdict([r[_RESUME : _RESUME + WIDTH] for r in rows], have)
     if not any(r[_REAL] for r in rows):
@@ -116,7 +115,7 @@ def start_window(
             "from zero. Call optimizer.zero_grad(set_to_none=True) before the loop, or "
             "window.discard() to abandon a window."
         )
-    if engine.partial_window == "drop" and not all(r[_FULL] for r in rows):
+    if plan.drop and not all(r[_FULL] for r in rows):
         return False
     _pad(engine, feed, rows, stream, need)
     if engine.loss_scale is None:
@@ -137,15 +136,6 @@ def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:
     return dict(zip(names, sums, strict=True))
 
 
-def _need(engine: Engine, rows: list[list[float]]) -> list[int]:
-    """The padding micro-batches each rank runs in this window."""
-    if engine.sync.equal_micro_batches:
-        return [int(max(r[_REAL] for r in rows) - r[_REAL]) for r in rows]
-    if engine.sync.kind == "ddp" and not engine.sync.reduce_at_step:
-        return [int(r[_REAL] == 0) for r in rows]  # DDP's reduce needs one backward per rank
-    return [0 for _ in rows]
-
-
 def _pad(
     engine: Engine, feed: Feed, rows: list[list[float]], stream: Stream, need: list[int]
 ) -> None:
@@ -161,7 +151,7 @@ def _pad(
             "Give the Accumulator padding_micro_batch=lambda: <a micro-batch>, or give "
             "every rank data (e.g. DistributedSampler(..., drop_last=False))."
         )
-    make = engine.padding_micro_batch or (lambda: stream.last)
+    make = engine.micro_plan.padding_micro_batch or (lambda: stream.last)
     feed.add_padding(need[mine], make)
 
 
@@ -174,7 +164,7 @@ def _local_totals(engine: Engine, real: list[Any]) -> torch.Tensor:
     f64 = torch.float64
     columns: list[float | torch.Tensor] = []
     on_device: list[torch.Tensor] = []
-    for fn in (engine.counts or {}).values():
+    for fn in (engine.micro_plan.counts or {}).values():
         total = 0.0
         found: list[torch.Tensor] = []
         for micro in real:

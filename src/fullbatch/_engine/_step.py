@@ -38,7 +38,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
         end_window(engine, state, Phase.ABANDONED)
         raise RuntimeError(leftover)
     sync = engine.sync
-    precision = engine.precision  # accumulate_dtype: the float32 buffers stand in for .grad
+    precision = engine.grad_buffers  # accumulate_dtype: the float32 buffers stand in for .grad
     if sync.reduce_at_step:
         if precision is not None:
             precision.reduce(sync)
@@ -81,7 +81,8 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             sq = float(squared_norm(grads, engine.stat_device)) / numbers.scale**2
     share = numbers.share_calls > 0
     count = numbers.count
-    scaler = engine.scaler
+    plan = engine.step_plan
+    scaler = plan.scaler
     loss_scale = 1.0 if share else state.loss_scale
     # The divisor W undoes the wrapper's average over ranks; c·N is the window's normalizer.
     verdict = decide(
@@ -91,7 +92,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             squared_norm=sq,
             divisor=sync.divisor,
             loss_scale=loss_scale,
-            max_grad_norm=engine.max_grad_norm,
+            max_grad_norm=plan.max_grad_norm,
             share=share,
         )
     )
@@ -132,8 +133,8 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             scaler.update(numbers.scale * scaler.get_backoff_factor())
         else:
             scaler.update()
-    if not verdict.skipped and engine.scheduler is not None:
-        engine.scheduler.step()
+    if not verdict.skipped and plan.scheduler is not None:
+        plan.scheduler.step()
         engine.guard.scheduler_stepped()
     end_window(engine, state, Phase.SKIPPED if verdict.skipped else Phase.STEPPED)
     if verdict.next_loss_scale is not None:

@@ -12,10 +12,10 @@ from fullbatch._base._stats import StepStats
 from fullbatch._engine._auto import run_auto
 from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
-from fullbatch._engine._pack_check import refuse_coupled
 from fullbatch._engine._run import abandon_locally, run_window
 from fullbatch._engine._state import Phase, WindowState
 from fullbatch._engine._step import discard_window, step_window
+from fullbatch._engine._verify_pack import refuse_coupled
 
 __all__ = ["Window"]
 
@@ -67,13 +67,14 @@ class Window:
             )
         if state.phase is Phase.OPEN:
             state.phase = Phase.ITERATING
-        if self._engine.auto is not None and not state.by_run:
+        plan = self._engine.micro_plan
+        if plan.is_auto and not state.by_run:
             raise RuntimeError(
-                "micro_batch_size='auto' needs window.run(fn): fullbatch must call your "
+                f"{plan.size_name}='auto' needs window.run(fn): fullbatch must call your "
                 "per-micro-batch function to catch an out-of-memory error, and Python does not "
                 "hand an exception raised in a `for` body back to the iterator. Write "
                 "`stats = window.run(lambda micro: fb.cross_entropy_sum(model(micro['x']), "
-                "micro['y']))`, or give an integer micro_batch_size."
+                f"micro['y']))`, or give an integer {plan.size_name}."
             )
         return self
 
@@ -155,7 +156,7 @@ class Window:
                 "yielded. Call it inside `for micro in window:`."
             )
         form = "share" if count is None else "count"
-        if form == "share" and self._engine.counts is None:
+        if form == "share" and self._engine.micro_plan.counts is None:
             raise ValueError(
                 "window.backward(loss) without a count needs counts= on the Accumulator: "
                 "without it the loss is almost surely a per-micro-batch mean, which weights "
@@ -201,7 +202,7 @@ class Window:
             # micro-batch would otherwise become NaN (inf * 0) and poison the window.
             off = torch.zeros((), dtype=torch.bool, device=loss.device)
             target = torch.where(off, loss, torch.zeros_like(loss))
-            scaler = self._engine.scaler
+            scaler = self._engine.step_plan.scaler
             torch.autograd.backward(
                 target if scaler is None else scaler.scale(target), **autograd_kwargs
             )
@@ -209,8 +210,9 @@ class Window:
             # Seeding backward with c (times the GradScaler's scale) is backward(c · loss)
             # without an extra multiply in the graph: c is a power of two, so both are exact.
             torch.autograd.backward(loss, grad_tensors=self._seed(loss, form), **autograd_kwargs)
-        if self._engine.precision is not None:  # accumulate_dtype: move .grad into the buffers
-            self._engine.precision.after_backward()
+        buffers = self._engine.grad_buffers
+        if buffers is not None:  # accumulate_dtype: move .grad into the buffers
+            buffers.after_backward()
         guard.after_backward()
         self._record(loss, checked, form)
 
@@ -229,7 +231,7 @@ class Window:
         if seed is None:
             c = self.loss_scale if form == "count" else 1.0
             seed = torch.full((), c, dtype=loss.dtype, device=loss.device)
-            scaler = self._engine.scaler
+            scaler = self._engine.step_plan.scaler
             if scaler is not None:
                 seed = scaler.scale(seed)
             self._state.seeds[key] = seed
@@ -283,7 +285,7 @@ class Window:
         check = self._engine.pack_check
         if check is not None and check.pending:  # pack=True: proven before anything changes
             check(self, fn)
-        if self._engine.auto is not None:
+        if self._engine.micro_plan.is_auto:
             return run_auto(self, fn)
         return run_window(self, fn)
 
@@ -333,7 +335,7 @@ class Window:
                 stats = window.run_coupled(encode, info_nce)
         """
         self._check_open("run_coupled()")
-        if self._engine.pack:
+        if self._engine.micro_plan.pack:
             refuse_coupled(self)
         return run_coupled(self, encode, loss)
 

@@ -8,7 +8,8 @@ One job per module:
 - ``_objective``: the declared objective's ``(loss_sum, count)`` per micro-batch;
 - ``_recompute``: replay a window's micro-batches with ``torch.autograd.grad`` (no ``.grad``,
   RNG, buffer or reducer touched); the rounding band;
-- ``_sample``: the gradient coordinates the weight fit looks at;
+- ``_sample``: the gradient coordinates the weight fit looks at; ``_norms``: squared norms
+  and distances of gradient lists, a chunk at a time;
 - ``_check``: one window at ``step()``: sums over ranks, comparison, tolerance;
 - ``_fit``, ``_diagnose``, ``_fixes``: each micro-batch's weight, the pattern, the fix;
 - ``_clip``: ``clip_grad_norm_`` observed while probing;

@@ -137,7 +137,8 @@ def _classify(obj: Any, module: str) -> Engine | None:
 def _accumulator(frame: FrameType) -> Engine:
     """``fb.Accumulator``, with the clip its verdict applied (``window.step()``'s locals)."""
     verdict = frame.f_locals.get("verdict")
-    limit = getattr(frame.f_locals.get("engine"), "max_grad_norm", None)
+    plan = getattr(frame.f_locals.get("engine"), "step_plan", None)
+    limit = getattr(plan, "max_grad_norm", None)
     clip = getattr(verdict, "clip", None)
     norm = getattr(verdict, "grad_norm", None)
     if limit is None or not isinstance(clip, float) or clip >= 1.0 or norm is None:

@@ -3,13 +3,18 @@
 One job per module:
 
 - ``_run``: :func:`verify` itself (runs the arms, decides the verdict);
-- ``_arms``: the gradients compared (full batch, fullbatch's Accumulator, naive ``loss / K``);
+- ``_arms``: the gradients compared (full batch, fullbatch's Accumulator, naive ``loss / K``),
+  with ``_recorder`` (an optimizer that records the gradient and changes nothing);
+- ``_verdict``: from the arms' gradients to the report (errors, diagnosis, notes);
 - ``_additivity``: is ``loss_fn`` a sum of per-item terms, and if not, why not;
+- ``_objective``: is ``loss_fn``'s count the declared objective's; ``_share``: the share form;
+- ``_bn``: which BatchNorm layers ``batchnorm="window"`` makes exact;
 - ``_precision``: the dtype compared in and its tolerance;
-- ``_state``: save and restore the user's model, switch dropout off;
 - ``_report``: :class:`VerifyReport` and its readable text;
-- ``_packing``, ``_pack_run``: ``verify(..., pack=True)``: does padding-free packing respect the
-  row boundaries on this model (gradient against a measured band, a leak probe, the cause);
+- ``_pack_run``: ``verify(..., pack=True)``: does padding-free packing respect the row
+  boundaries on this model (gradient against a measured band, a leak probe, the cause);
+- ``_hf_check`` and ``_isolate``: ``fullbatch.hf.check_trainer`` on a copy that shares
+  nothing with the user's model;
 - ``_cli``, ``_load``, ``_data``: the ``fullbatch verify`` command, its model and data loading.
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without

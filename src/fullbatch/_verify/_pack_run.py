@@ -1,5 +1,5 @@
 """``fb.verify(model, batch, loss_fn, micro_batch_tokens=T, pack=True)``: does packing respect
-the row boundaries on the user's own model? See :mod:`fullbatch._base._packcheck`."""
+the row boundaries on the user's own model? See :mod:`fullbatch._base._row_boundaries`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from torch import nn
 
 from fullbatch._base._losses import causal_lm_loss
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
-from fullbatch._base._pack import Lengths
-from fullbatch._base._packcheck import PackingReport, check_packed
 from fullbatch._base._packed import RowPacker
+from fullbatch._base._row_boundaries import PackingReport, check_packed
+from fullbatch._base._sort_trim import Lengths
 from fullbatch._verify._load import _logits
 from fullbatch._verify._precision import working_copy
 

@@ -6,11 +6,13 @@
 - ``_fsdp``: FSDP2 over a 1-D mesh or a 2-D (replicate, shard) HSDP mesh
   (``fsdp_sync="window"``, ``"micro_batch"``, ``"hybrid"``);
 - ``_context``: context-parallel ranks beside the data-parallel wrapper;
-- ``_make``: :func:`make_sync`, which picks the kind for a model;
-- ``_pipeline``: the sums of :class:`fullbatch.Pipeline` windows.
+- ``_make``: :class:`SyncPlan`, the sync options parsed once, which picks the kind for a model;
+- ``_pipeline``: the sums of :class:`fullbatch.Pipeline` windows;
+- ``_probe``: what :func:`fullbatch.probe` asks of ``torch.distributed`` (the wrapper around a
+  module, the ranks of a probed window).
 """
 
 from fullbatch._base._sync._base import Sync, all_reduce_over
-from fullbatch._base._sync._make import make_sync
+from fullbatch._base._sync._make import DdpSync, FsdpSync, SyncPlan
 
-__all__ = ["Sync", "all_reduce_over", "make_sync"]
+__all__ = ["DdpSync", "FsdpSync", "Sync", "SyncPlan", "all_reduce_over"]

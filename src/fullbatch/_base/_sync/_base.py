@@ -1,14 +1,23 @@
 """The no-op :class:`Sync` for local training, and what every kind shares.
 
-A :class:`Sync` answers four questions for the engine: which ranks count together (the
-counting group), what the wrapper divides gradients by (``W``), how to set the wrapper's sync
-state for one micro-batch, and how many ranks hold the same gradient shard (``norm_copies``,
-so that a norm summed over the counting group counts each shard once). It also runs the
-window's tiny collectives.
+A :class:`Sync` answers the engine's questions about the wrapper: which ranks count together
+(the counting group), what the wrapper divides gradients by (``W``), how to set the wrapper's
+sync state for one micro-batch, and how many ranks hold the same gradient shard
+(``norm_copies``, so that a norm summed over the counting group counts each shard once). It
+also runs the window's tiny collectives.
+
+Everything else the engine needs to know about a wrapper is a capability of its
+:class:`Sync` (``sharded``, ``equal_micro_batches``, ``reduce_at_step``,
+``syncs_in_backward``, ``needs_wrapper_forward``, :meth:`Sync.padding`,
+:meth:`Sync.held_grads`, :attr:`Sync.inner`, :meth:`Sync.no_collectives`), never its
+``kind``: ``kind`` only names the wrapper in a checkpoint. A new wrapper is one module here
+that subclasses :class:`Sync` and answers these, plus its line in ``_make``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,12 +32,18 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 class Sync:
     """Local training: no collectives, no wrapper flags."""
 
-    kind = "local"
+    kind = "local"  # the wrapper's name in a checkpoint (compared with a saved state's only)
     divisor: float = 1.0
     group: Any = None
     sharded = False  # gradients are shards: the norm needs a sum over ranks
     equal_micro_batches = False  # every rank must run the window's global maximum
     reduce_at_step = False  # the library all-reduces gradients at step() (ddp_sync="step")
+    # The wrapper reduces gradients inside a backward (DDP's last micro-batch, every FSDP2
+    # backward): every rank must be in that backward together.
+    syncs_in_backward = False
+    # The backward synchronizes only after the wrapper's own forward (DDP prepares its reducer
+    # there): a forward through the inner module (``model.module(...)``) skips the sync.
+    needs_wrapper_forward = False
     norm_copies = 1.0  # ranks of the counting group that hold the same gradient shard
     # Context parallelism beside the wrapper: ranks holding other pieces of the same rows,
     # whose gradients fullbatch sums at step() (None: the wrapper's group already does).
@@ -67,6 +82,39 @@ class Sync:
         if self.group is not None and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    @property
+    def inner(self) -> nn.Module:
+        """The module that runs the user's layers (the wrapper's ``.module`` for DDP)."""
+        return self.model
+
+    @contextlib.contextmanager
+    def no_collectives(self) -> Iterator[None]:
+        """Forward and backward on this rank alone: no gradient sync, no buffer broadcast.
+
+        Raises:
+            ValueError: a sharded wrapper (FSDP2), whose every forward all-gathers.
+        """
+        if self.sharded:
+            raise ValueError("a sharded model cannot run a forward without collectives.")
+        yield
+
+    def padding(self, real: list[int]) -> list[int]:
+        """The padding micro-batches each rank runs, from every rank's real micro-batches.
+
+        >>> Sync(nn.Linear(1, 1)).padding([2, 0])
+        [0, 0]
+        """
+        if self.equal_micro_batches:
+            return [max(real) - n for n in real]
+        if self.syncs_in_backward:
+            return [int(n == 0) for n in real]  # the backward's reduction needs every rank
+        return [0 for _ in real]
+
+    def held_grads(self) -> str | None:
+        """What the wrapper holds outside ``param.grad`` between a window's micro-batches,
+        beyond a checkpoint's reach, with the fix (None: nothing)."""
+        return None
 
     def begin(self, final: bool) -> None:
         """Set the wrapper's sync state for the micro-batch about to be yielded."""

@@ -2,27 +2,59 @@
 
 ``require_backward_grad_sync`` is set per micro-batch (what ``no_sync()`` sets, without holding
 a context open across a ``yield``), or kept off and reduced at the step (``ddp_sync="step"``).
+
+An ``"auto"`` micro-batch size needs ``"step"``: a rank that runs out of memory must be able
+to stop anywhere, so no collective may run inside a forward or backward
+(:mod:`fullbatch._engine._auto`); with ``"last"`` DDP all-reduces inside the backward of each
+rank's last micro-batch. ``ddp_sync=None`` (the default) is therefore ``"step"`` with an
+"auto" size and ``"last"`` otherwise; an explicit ``"last"`` with "auto" raises.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from fullbatch._base._sync._base import Sync, sum_tensors
 
-__all__ = ["DDPSync"]
+__all__ = ["DDP_SYNC_MODES", "DDPSync", "DdpSync"]
+
+DdpSync = Literal["last", "step"]
+DDP_SYNC_MODES: tuple[str, ...] = get_args(DdpSync)
+
+
+def _mode(mode: str | None, auto: str | None) -> str:
+    """``ddp_sync`` as DDP runs it; ``auto``: the public name of an "auto" size, or None."""
+    if mode is None:
+        return "step" if auto is not None else "last"
+    if mode == "last" and auto is not None:
+        raise ValueError(
+            f"{auto}='auto' under DDP needs ddp_sync='step', got ddp_sync='last': a rank that "
+            "runs out of memory must be able to stop at any point, but with 'last' DDP "
+            "all-reduces inside the backward of each rank's last micro-batch, where the other "
+            "ranks would wait for it. Drop ddp_sync= (with an 'auto' size it is 'step') or "
+            f"give ddp_sync='step'; or give an integer {auto}."
+        )
+    return mode
 
 
 class DDPSync(Sync):
     kind = "ddp"
 
-    def __init__(self, model: nn.Module, mode: str, divisor: float | None) -> None:
+    def __init__(
+        self, model: nn.Module, mode: str | None, divisor: float | None, *, auto: str | None = None
+    ) -> None:
         super().__init__(model)
         self.group = model.process_group
         self.grad_group = self.group  # the wrapper's group (the counting group may be wider)
-        self.mode = mode
-        self.reduce_at_step = mode == "step"
+        self.mode = _mode(mode, auto)
+        self.reduce_at_step = self.mode == "step"
+        self.syncs_in_backward = not self.reduce_at_step
+        self.needs_wrapper_forward = not self.reduce_at_step
         # DDP averages over its group; summing ourselves at the step divides by nothing.
         self.divisor = 1.0 if self.reduce_at_step else float(divisor or self.world)
         # static_graph=True records the graph in DDP's first synced iteration and breaks when
@@ -35,6 +67,21 @@ class DDPSync(Sync):
     @property
     def equal_micro_batches(self) -> bool:  # type: ignore[override]
         return self.static_graph and self._first_window and not self.reduce_at_step
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.model.module
+
+    @contextlib.contextmanager
+    def no_collectives(self) -> Iterator[None]:
+        # No gradient sync, and no buffer broadcast in the forward (require_forward_param_sync).
+        broadcast = self.model.require_forward_param_sync
+        self.model.require_forward_param_sync = False
+        try:
+            with self.model.no_sync():
+                yield
+        finally:
+            self.model.require_forward_param_sync = broadcast
 
     def begin(self, final: bool) -> None:
         if self._saved is None:

@@ -19,16 +19,17 @@ flags are set in that order: gradient sync first, ``set_requires_all_reduce`` af
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 from torch import nn
 
 from fullbatch._base._sync._base import Sync
 
-__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "fsdp_mesh", "is_fsdp"]
+__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "FsdpSync", "fsdp_mesh", "is_fsdp"]
 
-FSDP_SYNC_MODES = ("window", "micro_batch", "hybrid")
+FsdpSync = Literal["window", "micro_batch", "hybrid"]
+FSDP_SYNC_MODES: tuple[str, ...] = get_args(FsdpSync)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:
@@ -92,6 +93,7 @@ class FSDPSync(Sync):
     kind = "fsdp2"
     sharded = True
     equal_micro_batches = True
+    syncs_in_backward = True  # the last backward reduce-scatters; every backward may all-gather
 
     def __init__(
         self, model: nn.Module, mode: str | None, divisor: float | None, *, mesh: Any = None
@@ -122,6 +124,17 @@ class FSDPSync(Sync):
         # FSDP2 averages over shard x replicate unless set_gradient_divide_factor says else.
         self.divisor = float(divisor or _divide_factor(model, shards * replicas))
         self.norm_copies = float(replicas)
+
+    def held_grads(self) -> str | None:
+        if self.mode == "micro_batch":
+            return None
+        what = "unsharded gradients" if self.mode == "window" else "partial (un-all-reduced) shards"
+        return (
+            f"with FSDP2 and fsdp_sync={self.mode!r}: FSDP2 holds the window's {what} itself "
+            "until the last micro-batch, out of a state's reach. Build the Accumulator with "
+            "fsdp_sync='micro_batch' (each micro-batch's gradient is reduce-scattered into the "
+            "sharded .grad, which the state holds)"
+        )
 
     def begin(self, final: bool) -> None:
         # Order matters: set_requires_gradient_sync(True) also re-enables the all-reduce.

@@ -1,7 +1,9 @@
-"""Pick the :class:`Sync` for a model: local, DDP, FSDP2 (1-D or HSDP), CP beside them."""
+"""The sync options, parsed once (:class:`SyncPlan`), and the :class:`Sync` they pick for a
+model: local, DDP, FSDP2 (1-D or HSDP), CP beside them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -10,14 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
-from fullbatch._base._sync._ddp import DDPSync
-from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, is_fsdp
+from fullbatch._base._sync._ddp import DDP_SYNC_MODES, DDPSync, DdpSync
+from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, FsdpSync, is_fsdp
 from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
-__all__ = ["make_sync"]
-
-DDP_SYNC_MODES = ("last", "step")
+__all__ = ["DdpSync", "FsdpSync", "SyncPlan"]
 
 
 def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -25,35 +25,64 @@ def _check_mode(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {allowed}.")
 
 
-def make_sync(
-    model: nn.Module,
-    *,
-    process_group: Any = None,
-    ddp_sync: str = "last",
-    fsdp_sync: str | None = None,
-    grad_divisor: float | None = None,
-    context_parallel: Any = None,
-) -> Sync:
-    """Inspect ``model`` and return the matching :class:`Sync`.
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SyncPlan:
+    """How gradients and counts are combined over ranks: the Accumulator's sync options.
 
-    ``fsdp_sync=None`` is ``"hybrid"`` on a 2-D (HSDP) mesh and ``"window"`` on a 1-D one.
+    Attributes:
+        ddp_sync: DDP only. ``"last"``: each rank's last micro-batch synchronizes; ``"step"``:
+            one bucketed all-reduce at ``step()``. ``None``: ``"step"`` with an ``"auto"``
+            size (which needs it), else ``"last"``.
+        fsdp_sync: FSDP2 only. ``None``: ``"hybrid"`` on a 2-D (HSDP) mesh, ``"window"`` on a
+            1-D one.
+        grad_divisor: what a custom DDP comm hook (or FSDP2 divide factor) divides by.
+        process_group: checked against the wrapper's group.
+        context_parallel: the context-parallel group beside the wrapper.
 
-    Raises:
-        ValueError: an unknown mode, ``"hybrid"`` on a 1-D mesh, a ``process_group`` that is
-            not the wrapper's group, a ``context_parallel`` group that does not fit, or a
-            model whose ``.module`` is the DDP/FSDP2 model (pass ``model.module``).
+    >>> SyncPlan(ddp_sync="first")
+    Traceback (most recent call last):
+    ValueError: ddp_sync='first' is not one of ('last', 'step').
+    >>> SyncPlan().make(nn.Linear(2, 1)).kind
+    'local'
     """
-    _check_mode("ddp_sync", ddp_sync, DDP_SYNC_MODES)
-    if fsdp_sync is not None:
-        _check_mode("fsdp_sync", fsdp_sync, FSDP_SYNC_MODES)
-    if grad_divisor is not None and not grad_divisor > 0:
-        raise ValueError(f"grad_divisor must be > 0, got {grad_divisor!r}.")
+
+    ddp_sync: DdpSync | None = None
+    fsdp_sync: FsdpSync | None = None
+    grad_divisor: float | None = None
+    process_group: Any = None
+    context_parallel: Any = None
+
+    def __post_init__(self) -> None:
+        if self.ddp_sync is not None:
+            _check_mode("ddp_sync", self.ddp_sync, DDP_SYNC_MODES)
+        if self.fsdp_sync is not None:
+            _check_mode("fsdp_sync", self.fsdp_sync, FSDP_SYNC_MODES)
+        if self.grad_divisor is not None and not self.grad_divisor > 0:
+            raise ValueError(f"grad_divisor must be > 0, got {self.grad_divisor!r}.")
+
+    def make(self, model: nn.Module, *, auto: str | None = None) -> Sync:
+        """Inspect ``model`` and return the matching :class:`Sync`.
+
+        ``auto``: the public name of an ``"auto"`` micro-batch size (``"micro_batch_size"``
+        or ``"micro_batch_tokens"``), None without one.
+
+        Raises:
+            ValueError: ``"hybrid"`` on a 1-D mesh, ``ddp_sync="last"`` with an "auto" size
+                under DDP, a ``process_group`` that is not the wrapper's group, a
+                ``context_parallel`` group that does not fit, or a model whose ``.module``
+                is the DDP/FSDP2 model (pass ``model.module``).
+        """
+        return _make(model, self, auto)
+
+
+def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> Sync:
+    process_group, context_parallel = plan.process_group, plan.context_parallel
     sync: Sync
     if isinstance(model, DistributedDataParallel):
-        sync = DDPSync(model, ddp_sync, grad_divisor)
+        sync = DDPSync(model, plan.ddp_sync, plan.grad_divisor, auto=auto)
     elif is_fsdp(model):
         check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
-        sync = FSDPSync(model, fsdp_sync, grad_divisor)
+        sync = FSDPSync(model, plan.fsdp_sync, plan.grad_divisor)
     else:
         sync = Sync(model)
         inner = getattr(model, "module", None)

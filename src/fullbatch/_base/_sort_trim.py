@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._autosize import AutoSize
-from fullbatch._base._split import collate_rows, count_rows, split_rows
+from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
-__all__ = ["TOKEN_KEYS", "Lengths", "Packer", "make_splitter"]
+__all__ = ["TOKEN_KEYS", "Lengths", "SortTrim"]
 
 Lengths = str | Callable[[Any], Any]
 
@@ -94,7 +93,7 @@ def _rebuild(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-class Packer:
+class SortTrim:
     """Turns one window item into length-aware micro-batches; warns at most once per kind.
 
     Exactly one of ``micro_batch_size`` (fixed rows, sorted) and ``micro_batch_tokens`` (a
@@ -103,7 +102,7 @@ class Packer:
     >>> import torch
     >>> mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     >>> item = {"input_ids": mask * 7, "attention_mask": mask, "w": torch.tensor([1.0, 2.0, 3.0])}
-    >>> micros = Packer(micro_batch_tokens=4)(item)
+    >>> micros = SortTrim(micro_batch_tokens=4)(item)
     >>> [tuple(m["input_ids"].shape) for m in micros], [m["w"].tolist() for m in micros]
     ([(1, 4), (2, 2)], [[2.0], [3.0, 1.0]])
     """
@@ -117,7 +116,7 @@ class Packer:
         token_keys: Collection[str] | None = None,
     ) -> None:
         if (micro_batch_size is None) == (micro_batch_tokens is None):
-            raise ValueError("Packer needs exactly one of micro_batch_size, micro_batch_tokens.")
+            raise ValueError("SortTrim needs exactly one of micro_batch_size, micro_batch_tokens.")
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
@@ -310,40 +309,6 @@ class Packer:
         if kind not in self._warned:
             self._warned.add(kind)
             warn(message)
-
-
-def make_splitter(
-    micro_batch_size: int | str | None,
-    micro_batch_tokens: int | str | None,
-    sort_rows: bool,
-    lengths: Lengths,
-    token_keys: Collection[str] | None = None,
-) -> tuple[Callable[[Any], list[Any]], AutoSize | None]:
-    """How the Accumulator cuts a loader item (a window), from checked options.
-
-    Returns ``(split, auto)``: ``split(item)`` for fixed sizes, and an :class:`AutoSize` when a
-    size is ``"auto"`` (it then cuts, with the size it has found). With ``micro_batches=K``
-    (both sizes None) ``split`` is never called.
-    """
-    if micro_batch_tokens is not None:
-        packer = Packer(micro_batch_tokens=1, lengths=lengths, token_keys=token_keys)
-        if micro_batch_tokens == "auto":
-            return packer, AutoSize(packer.window_tokens, packer.cut, kind="tokens")
-        packer.micro_batch_tokens = int(micro_batch_tokens)
-        return packer, None
-    if sort_rows:
-        packer = Packer(micro_batch_size=1, lengths=lengths, token_keys=token_keys)
-        if micro_batch_size == "auto":
-            return packer, AutoSize(count_rows, packer.cut, kind="rows")
-        packer.micro_batch_size = int(micro_batch_size or 1)
-        return packer, None
-    if micro_batch_size == "auto":
-        return _split_rows_of(1), AutoSize.rows()
-    return _split_rows_of(int(micro_batch_size or 1)), None
-
-
-def _split_rows_of(size: int) -> Callable[[Any], list[Any]]:
-    return lambda item: split_rows(item, size)
 
 
 def _ambiguous(name: str | None, t: torch.Tensor, width: int, keys: set[str]) -> str:

@@ -4,7 +4,7 @@ gradients, optimizer state and the RNG are untouched. Opt out with
 ``Accumulator(..., verify_pack=False)``.
 
 - ``window.run(fn)``: the micro-batch is run packed and padded through ``fn`` (see
-  :mod:`fullbatch._base._packcheck`): gradient and leak. Cost: about one window, once.
+  :mod:`fullbatch._base._row_boundaries`): gradient and leak. Cost: about one window, once.
 - The plain ``for micro in window`` loop (fullbatch never sees the loss function): the
   user's own forward of that micro-batch is watched (the model's output and its
   ``nn.Embedding`` outputs, by forward hooks), and before its first backward one row's
@@ -19,7 +19,6 @@ broadcast); under FSDP2 they cannot run on sharded parameters and say so once.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 from collections.abc import Mapping
@@ -27,10 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
-from fullbatch._base._packcheck import PackingReport, check_packed, likely_causes, repack
+from fullbatch._base._row_boundaries import PackingReport, check_packed, likely_causes, repack
 from fullbatch._base._warn import warn
 from fullbatch._engine._core import Handle
 from fullbatch._engine._run import abandon_locally
@@ -60,15 +58,12 @@ class FirstWindowCheck:
             self.watch = None
         if not isinstance(micro, Mapping) or len(micro.get("cu_seq_lens_q", ())) <= 2:
             return
-        engine = window._engine
-        if engine.sync.kind == "fsdp2":
+        sync = window._engine.sync
+        if sync.sharded:
             self.pending = False
             warn(_FSDP2)
             return
-        model = engine.model
-        self.watch = _Watch(
-            model.module if isinstance(model, DistributedDataParallel) else model, micro
-        )
+        self.watch = _Watch(sync.inner, micro)
 
     def before_backward(self, window: Handle) -> None:
         """The first backward of the watched micro-batch: refuse it if rows leak."""
@@ -108,16 +103,11 @@ class FirstWindowCheck:
     def __call__(self, window: Handle, fn: Any) -> None:
         engine = window._engine
         model = engine.model
-        if engine.sync.kind == "fsdp2":
+        if engine.sync.sharded:
             self.pending = False
             warn(_FSDP2)
             return
         micros = [m for m in window._state.feed.real if isinstance(m, dict)]
-        ddp = model if isinstance(model, DistributedDataParallel) else None
-        # Under DDP no collective may run here (ranks check different rows): no gradient
-        # sync, and no buffer broadcast in the forward (DDP's require_forward_param_sync).
-        sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
-        broadcast = ddp.require_forward_param_sync if ddp is not None else False
         snapshot = ModelSnapshot.capture(model)
         dropout = disable_dropout(model)
 
@@ -126,16 +116,13 @@ class FirstWindowCheck:
             return (out, 1.0) if isinstance(out, torch.Tensor) else out
 
         try:
-            if ddp is not None:
-                ddp.require_forward_param_sync = False
-            with torch.enable_grad(), sync:
+            # Under DDP no collective may run here (ranks check different rows).
+            with torch.enable_grad(), engine.sync.no_collectives():
                 report = _check(model, call, micros)
         except BaseException:
             abandon_locally(window)
             raise
         finally:
-            if ddp is not None:
-                ddp.require_forward_param_sync = broadcast
             dropout.restore()
             snapshot.restore()
         if report is None:
