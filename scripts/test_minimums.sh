@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Install pyproject.toml's declared floors in their own venv and run the whole test suite there.
-# It installs exactly what was run for issue 18 (2026-11-24, Python 3.11.7, Linux x86_64):
+# It installs exactly what was run last (2026-11-25, Python 3.11.7, Linux x86_64):
 #   torch 2.6.0 (PyPI), transformers 4.53.3, accelerate 1.3.0, lightning 2.4.0,
 #   matplotlib 3.7.0 (needs numpy < 2: numpy 1.26.4), tqdm 4.60.0,
 #   pytest 9.2.0, pytest-timeout 2.4.0, hypothesis 6.170.15.
-# Result then (wt-trust e65029e, after merging main 5744a59): 1089 passed, 91 skipped, 0 failed
-# in 129 s. Skipped below their real minimums: FSDP2 on CPU and fb.Pipeline (torch >= 2.7),
+# Result then (main ed60fee): 1426 passed, 108 skipped, 0 failed in 160 s. Skipped below their real minimums: FSDP2 on CPU and fb.Pipeline (torch >= 2.7),
 # Gemma 4 and GPT-2/BERT packing (transformers 5), fullbatch.trl and the TRL doc examples
 # (TRL is not installed here: its extra needs transformers 5).
 # tests/integrations/test_hf_trainer.py alone: 24 passed.
