@@ -1,6 +1,7 @@
 """What ``fb.probe`` costs: time and peak memory of a probed window vs an unprobed one.
 
-    PYTHONPATH=src python benchmarks/probe_cost.py          # about 2 minutes on 2 CPU cores
+    PYTHONPATH=src python benchmarks/probe_cost.py              # about 3 minutes on 2 CPU cores
+    PYTHONPATH=src python benchmarks/probe_cost.py --rounds 5
 
 A Llama built from a config (hidden 256, 4 layers, vocabulary 4096: 5.3M float32 parameters,
 21 MiB of gradient), windows of K=8 micro-batches of 4 rows x 128 tokens, a hand-written loop
@@ -10,14 +11,19 @@ A Llama built from a config (hidden 256, 4 layers, vocabulary 4096: 5.3M float32
 - **probed**: 6 windows, all probed (``fb.probe(objective="causal_lm", windows=6)``);
 - **after**: 1 probed window, then 5 unprobed ones with the probe's hooks gone.
 
-Per run: the median time of windows 2-6 (the first warms up), and the process's peak resident
-memory (``ru_maxrss``) minus its resident memory before the first window. The probe's extra
-work per window is one forward and backward per micro-batch, one more for the rounding band,
-the gradient-sized reference buffer, and 16384 sampled float64 coordinates per micro-batch.
+Each run is repeated in ``--rounds`` fresh processes, in alternating order (unprobed, probed,
+after; then after, probed, unprobed; ...), so a busy machine slows every run alike; the
+table gives the median over rounds, and the range of each round's ratio to that round's
+unprobed run. Per process: the median time of windows 2-6 (the first warms up), and the
+process's peak resident memory (``ru_maxrss``) minus its resident memory before the first
+window. The probe's extra work per window is one forward and backward per micro-batch, one
+more for the rounding band, the gradient-sized reference buffer, and 16384 sampled float64
+coordinates per micro-batch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -31,6 +37,7 @@ import torch
 import fullbatch as fb
 
 K, ROWS, TOKENS, WINDOWS = 8, 4, 128, 6
+MODES = ("unprobed", "probed", "after")
 
 
 def model() -> torch.nn.Module:
@@ -94,32 +101,42 @@ def run(mode: str) -> dict[str, float]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 1 and sys.argv[1] in MODES:
         print(json.dumps(run(sys.argv[1])))
         return
-    results = {}
-    for mode in ("unprobed", "probed", "after"):
-        out = subprocess.run(
-            [sys.executable, __file__, mode], capture_output=True, text=True, check=True
-        )
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    base = results["unprobed"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per run (3)")
+    rounds = parser.parse_args().rounds
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    for r in range(rounds):  # ABC, CBA, ABC, ...: no run always goes first on a busy machine
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            out = subprocess.run(
+                [sys.executable, __file__, mode], capture_output=True, text=True, check=True
+            )
+            results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = results["unprobed"][0]
     print(
         f"{base['params_m']:.1f}M float32 parameters ({base['gradient_mib']:.0f} MiB of gradient), "
-        f"windows of {K} micro-batches of {ROWS}x{TOKENS} tokens, 1 thread"
+        f"windows of {K} micro-batches of {ROWS}x{TOKENS} tokens, 1 thread, {rounds} rounds"
     )
     print(
-        f"{'run':<10} {'window (median)':>16} {'vs unprobed':>12} {'peak memory above start':>25}"
+        f"{'run':<10} {'window (median)':>16} {'vs unprobed':>12} {'(per round)':>20} "
+        f"{'peak memory above start':>25}"
     )
-    for mode, r in results.items():
+    times = {m: [r["median_s"] for r in rs] for m, rs in results.items()}
+    peaks = {m: statistics.median(r["extra_peak_mib"] for r in rs) for m, rs in results.items()}
+    for mode in MODES:
+        ratios = [t / u for t, u in zip(times[mode], times["unprobed"], strict=True)]
+        median = statistics.median(times[mode])
         print(
-            f"{mode:<10} {r['median_s']:>14.3f} s {r['median_s'] / base['median_s']:>11.2f}x "
-            f"{r['extra_peak_mib']:>20.0f} MiB"
+            f"{mode:<10} {median:>14.3f} s "
+            f"{median / statistics.median(times['unprobed']):>11.2f}x "
+            f"{min(ratios):>13.2f}-{max(ratios):.2f}x {peaks[mode]:>20.0f} MiB"
         )
-    extra = results["probed"]["extra_peak_mib"] - base["extra_peak_mib"]
+    extra = peaks["probed"] - peaks["unprobed"]
     print(
         f"the probe's extra peak: {extra:.0f} MiB = {extra / base['gradient_mib']:.2f} x the "
-        "gradient's size"
+        "gradient's size (medians over rounds)"
     )
 
 
