@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
-from fullbatch._probe._where import find_micro
+from fullbatch._probe._where import find_labels, find_micro
 
 __all__ = ["Call", "Capture", "autocast_state"]
 
@@ -56,6 +56,9 @@ class Call:
         micro: the engine's own micro-batch around the call (the trainer's ``inputs``, a
             Lightning ``batch``, a loop's ``micro``), found by identity of the tensors the model
             received; None when not found.
+        targets: a ``labels``/``targets`` tensor found beside the model's input where the
+            engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
+            the built-in objectives use it when neither the call nor ``micro`` has labels.
     """
 
     module: nn.Module
@@ -65,15 +68,18 @@ class Call:
     rng: RngState
     autocast: tuple[tuple[str, torch.dtype], ...]
     micro: Any = None
+    targets: torch.Tensor | None = None
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
-        """``(labels, already shifted)`` from the model's inputs or the engine's micro-batch."""
-        for source in (self.kwargs, self.micro if isinstance(self.micro, Mapping) else {}):
+        """``(labels, already shifted)`` from the model's inputs (keywords, or a mapping passed
+        whole: Composer's ``model(batch)``), the engine's micro-batch, or beside the input."""
+        micro = self.micro if isinstance(self.micro, Mapping) else {}
+        for source in (self.kwargs, *(a for a in self.args if isinstance(a, Mapping)), micro):
             if isinstance(source.get("shift_labels"), torch.Tensor):
                 return source["shift_labels"], True
             if isinstance(source.get("labels"), torch.Tensor):
                 return source["labels"], False
-        return None, False
+        return self.targets, False
 
     def user_micro(self) -> Any:
         """What an objective ``fn(model, micro)`` receives: the engine's micro-batch when found,
@@ -191,7 +197,13 @@ class Capture:
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)
-        micro = find_micro(_tensor_ids(args, kwargs))
+        ids = _tensor_ids(args, kwargs)
+        micro = find_micro(ids)
+        sources = (kwargs, micro, *args)
+        found = any(
+            isinstance(v, Mapping) and ("labels" in v or "shift_labels" in v) for v in sources
+        )
+        targets = None if found else find_labels(ids)
         self.calls.append(
             Call(
                 module=module,
@@ -201,5 +213,6 @@ class Capture:
                 rng=frame.rng,
                 autocast=frame.autocast,
                 micro=_copied(micro),
+                targets=targets,
             )
         )
