@@ -91,6 +91,35 @@ class Call:
         return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
 
 
+def _wrapper_kind(module: nn.Module) -> str | None:
+    """``"ddp"``, ``"transparent"`` (a wrapper whose forward only hands its inputs on), or None.
+
+    A module with no parameters or buffers of its own whose one child is a DDP wrapper is taken
+    as a pass-through around it (ColossalAI's ``TorchDDPModel``: ``forward`` calls
+    ``self.module``): the probe must look through it to the model inside, or its own forwards
+    would run DDP's (which prepares DDP's reducer for a backward that never comes).
+    """
+    if is_ddp(module):
+        return "ddp"
+    if type(module).__name__ in _TRANSPARENT:
+        return "transparent"
+    children = list(module.children())
+    if (
+        len(children) == 1
+        and is_ddp(children[0])
+        and next(module.parameters(recurse=False), None) is None
+        and next(module.buffers(recurse=False), None) is None
+    ):
+        return "transparent"
+    return None
+
+
+def _inside(module: nn.Module) -> nn.Module:
+    """The module a wrapper hands its inputs to."""
+    inner = getattr(module, "module", None) or getattr(module, "_forward_module", None)
+    return inner if isinstance(inner, nn.Module) else next(module.children())
+
+
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (-1: it is not)."""
     return bool(torch._C._current_graph_task_id() != -1)
@@ -140,17 +169,22 @@ class Capture:
 
     def start(self) -> None:
         if self.model is None:
-            self._handles = [
-                module_hooks.register_module_forward_pre_hook(self._pre),
-                module_hooks.register_module_forward_hook(
+            try:
+                post = module_hooks.register_module_forward_hook(
                     self._post, with_kwargs=True, always_call=True
-                ),
-            ]
+                )
+            except TypeError as error:  # torch < 2.6: global hooks see no keyword arguments
+                raise RuntimeError(
+                    f"fb.probe() without a model needs global forward hooks with keyword "
+                    f"arguments (torch >= 2.6), this is torch {torch.__version__}; pass the "
+                    "model: fb.probe(model, ...)."
+                ) from error
+            self._handles = [module_hooks.register_module_forward_pre_hook(self._pre), post]
             return
         target: Any = self.model
-        while is_ddp(target) or type(target).__name__ in _TRANSPARENT:
+        while _wrapper_kind(target) is not None:
             self._wrapper = target if is_ddp(target) else self._wrapper
-            target = getattr(target, "module", None) or target._forward_module
+            target = _inside(target)
         self._handles = [
             target.register_forward_pre_hook(self._pre),
             target.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -177,7 +211,7 @@ class Capture:
         why = unsupported_wrapper(module)
         if why is not None and torch.is_grad_enabled():
             self.unsupported = self.unsupported or why
-        if is_ddp(module) or type(module).__name__ in _TRANSPARENT:
+        if _wrapper_kind(module) is not None:
             self._stack.append(_Frame("wrapper", module))
             return
         if not torch.is_grad_enabled():
