@@ -166,7 +166,16 @@ def _classify(obj: Any, module: str) -> Engine | None:
         return Engine(f"transformers.{cls}" if cls == "Trainer" else f"{cls} (transformers)")
     if packages & {"lightning", "pytorch_lightning"}:
         return _lightning(obj)
+    if "composer" in packages and "Trainer" in names:
+        return Engine("Composer")
+    if "super_gradients" in packages and "Trainer" in names:
+        return Engine("Super-Gradients")
     return None
+
+
+#: Optimizer wrappers that step the torch optimizer inside them, by class name: named the
+#: engine only when no engine is found above them (``fb.Accumulator`` steps through them too).
+_WRAPPERS = {"AcceleratedOptimizer": "Accelerate", "OptimizerWrapper": "ColossalAI"}
 
 
 def _accumulator(frame: FrameType) -> Engine:
@@ -188,7 +197,7 @@ def find_engine() -> Engine:
     'a hand-written loop'
     """
     frame: FrameType | None = sys._getframe(1)
-    accelerate = False
+    wrapped = None
     for _ in range(64):
         if frame is None:
             break
@@ -200,6 +209,7 @@ def find_engine() -> Engine:
             found = _classify(obj, module)
             if found is not None:
                 return found
-            accelerate = accelerate or type(obj).__name__ == "AcceleratedOptimizer"
+            if wrapped is None:
+                wrapped = next((_WRAPPERS[n] for n in _class_names(obj)[0] if n in _WRAPPERS), None)
         frame = frame.f_back
-    return Engine("Accelerate") if accelerate else Engine("a hand-written loop")
+    return Engine(wrapped or "a hand-written loop")

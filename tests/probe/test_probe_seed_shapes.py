@@ -1,10 +1,13 @@
-"""Where the built-in objectives find the labels when no frame holds a micro-batch mapping with
-them, shaped like the engines of ``benchmarks/seed_frameworks.py --probe`` (which CI cannot
-install): Composer calls ``model(state.batch)`` (a mapping with ``labels`` passed whole, kept on
-an object, not in a local), Super-Gradients unpacks ``inputs, targets`` and calls
-``net(inputs)``, an ``fb.Accumulator`` loop runs ``for x, labels in window``. Each is judged
-against the plain full batch of ``tests/_probe_cases.py``; a model output left in a local named
-``y`` is never taken for the labels.
+"""``fb.probe`` on the shapes of the engines of ``benchmarks/seed_frameworks.py --probe``
+(Composer, Super-Gradients, ColossalAI), which CI cannot install (they pin older torch).
+
+Where the built-in objectives find the labels when no frame holds a micro-batch mapping with
+them: Composer calls ``model(state.batch)`` (a mapping with ``labels`` passed whole, kept on an
+object, not in a local), Super-Gradients unpacks ``inputs, targets`` and calls ``net(inputs)``,
+an ``fb.Accumulator`` loop runs ``for x, labels in window``; each is judged against the plain
+full batch of ``tests/_probe_cases.py``, and a model output left in a local named ``y`` is
+never taken for the labels. The engine is named by its classes' package (none imported), with
+its fix; ColossalAI's ``OptimizerWrapper`` only when no ``fb.Accumulator`` steps through it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fullbatch as fb
+from _colossal_cases import OptimizerWrapper
 from _probe_cases import (
     IGNORE,
     applied,
@@ -137,3 +141,55 @@ def test_a_model_output_named_y_is_not_taken_for_labels() -> None:
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
     assert not opt.state
+
+
+class Trainer:
+    """A trainer that steps the optimizer itself; ``__module__`` set per test to Composer's or
+    Super-Gradients' (the probe names engines by their classes' package, importing none)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def fit(self, window: list[dict[str, torch.Tensor]]) -> None:
+        for i in range(len(window)):
+            mean = F.cross_entropy(self.model(window[i]), window[i]["labels"], ignore_index=IGNORE)
+            (mean / len(window)).backward()
+        self.optimizer.step()
+
+
+@pytest.mark.parametrize(
+    ("package", "engine", "words"),
+    [
+        ("composer.trainer.trainer", "Composer", "fullbatch.composer.TokenCounts()"),
+        ("super_gradients.training.sg_trainer", "Super-Gradients", "not batch_accumulate"),
+    ],
+)
+def test_engines_named_with_their_fix(
+    monkeypatch: pytest.MonkeyPatch, package: str, engine: str, words: str
+) -> None:
+    monkeypatch.setattr(Trainer, "__module__", package)
+    model = make_net()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with fb.probe(objective="sample") as probe:
+        trainer.fit(_window())
+    (check,) = probe.report.windows
+    assert check.engine == engine and check.pattern == "mean of per-micro-batch means"
+    assert words in check.diagnosis
+
+
+def test_colossalai_optimizer_wrapper_names_the_engine_unless_fullbatch_steps_it() -> None:
+    model = make_net()
+    wrapped = OptimizerWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    with fb.probe(objective="sample") as probe:
+        Trainer(model, wrapped).fit(_window())  # type: ignore[arg-type]
+    (check,) = probe.report.windows
+    assert check.engine == "ColossalAI" and "on the boosted model" in check.diagnosis
+    wrapped.zero_grad(set_to_none=True)
+    window = _window()
+    with fb.probe(objective="sample") as probe:
+        with fb.Accumulator(model, wrapped, micro_batches=len(window)) as acc:
+            for w in acc.windows(window):
+                for micro in w:
+                    w.backward(*fb.cross_entropy_sum(model(micro), micro["labels"]))
+                w.step()
+    assert probe.report.ok and probe.report.windows[0].engine == "fb.Accumulator"
