@@ -9,13 +9,19 @@ suite: run it in a virtual environment where the framework installs, with fullba
     torchrun --standalone --nproc-per-node 2 benchmarks/seed_frameworks.py colossalai
     python benchmarks/seed_frameworks.py super_gradients        # one process
 
+With ``--probe`` each route also runs, unchanged, inside ``fb.probe(objective=..., windows=1)``
+(``"causal_lm"``; the two-term routes a function of both terms; ColossalAI's with ``model=`` the
+boosted model, as torch 2.5.1 has no global forward hooks with keyword arguments), and the
+table gains the probe's verdict, error, band and pattern beside the error measured here.
+
 Each route trains one optimizer step (plain SGD, ``lr=1``, float64) of a tiny causal LM on the
 same variable-length rows (``-100`` at padding), each rank holding different rows; the
 reference is one plain PyTorch forward and backward over every rank's rows of the step, as one
 batch, with the token-mean loss. Printed (rank 0): the relative error of each route's parameter
 update against the reference's, and whether the ranks ended equal.
 
-Ran on 2 CPU cores (the numbers: ``docs/integrations_frameworks.md``, "What ran where"):
+Ran on 2 CPU cores (the numbers: ``docs/integrations_frameworks.md``, "What ran where", and
+``docs/probe.md``, "Engines"):
 
 - Composer 0.32.1, torch 2.7.0 (PyPI's CUDA build, on CPU), Python 3.11.7, 2 gloo ranks.
 - ColossalAI 0.5.0 (``TorchDDPPlugin``), torch 2.5.1 (below fullbatch's declared floor, 2.6:
