@@ -237,7 +237,8 @@ class Capture:
         found = any(
             isinstance(v, Mapping) and ("labels" in v or "shift_labels" in v) for v in sources
         )
-        targets = None if found else find_labels(ids)
+        inputs = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        targets = None if found or not inputs else find_labels(inputs)
         self.calls.append(
             Call(
                 module=module,

@@ -89,11 +89,13 @@ def find_micro(ids: set[int]) -> Any:
 
 
 def find_labels(ids: set[int]) -> Any:
-    """Labels kept beside the model's input rather than in a mapping: in the nearest frame
-    above that holds one of the objects in ``ids`` (as a local, or inside a local tuple, list
-    or mapping) and a tensor named ``labels``, ``label``, ``targets``, ``target`` or ``y`` that does
-    not require gradients (a model output from the loop's previous iteration does). Engines
-    that unpack ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``) keep them so.
+    """Labels kept beside the model's input rather than in a mapping.
+
+    In the nearest frame above that holds one of the tensors in ``ids`` (as a local, or inside
+    a local tuple, list or mapping): a tensor named ``labels``, ``label``, ``targets``,
+    ``target`` or ``y`` that does not require gradients (a model output left from the loop's
+    previous iteration does). Engines that unpack ``(inputs, targets)`` keep them so
+    (Super-Gradients, ``for x, y in loader``).
 
     >>> import torch
     >>> x, targets = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
