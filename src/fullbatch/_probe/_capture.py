@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
-from fullbatch._probe._where import find_micro
+from fullbatch._probe._where import find_labels, find_micro
 
 __all__ = ["Call", "Capture", "autocast_state"]
 
@@ -56,6 +56,9 @@ class Call:
         micro: the engine's own micro-batch around the call (the trainer's ``inputs``, a
             Lightning ``batch``, a loop's ``micro``), found by identity of the tensors the model
             received; None when not found.
+        targets: a ``labels``/``targets`` tensor found beside the model's input where the
+            engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
+            the built-in objectives use it when neither the call nor ``micro`` has labels.
     """
 
     module: nn.Module
@@ -65,15 +68,18 @@ class Call:
     rng: RngState
     autocast: tuple[tuple[str, torch.dtype], ...]
     micro: Any = None
+    targets: torch.Tensor | None = None
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
-        """``(labels, already shifted)`` from the model's inputs or the engine's micro-batch."""
-        for source in (self.kwargs, self.micro if isinstance(self.micro, Mapping) else {}):
+        """``(labels, already shifted)`` from the model's inputs (keywords, or a mapping passed
+        whole: Composer's ``model(batch)``), the engine's micro-batch, or beside the input."""
+        micro = self.micro if isinstance(self.micro, Mapping) else {}
+        for source in (self.kwargs, *(a for a in self.args if isinstance(a, Mapping)), micro):
             if isinstance(source.get("shift_labels"), torch.Tensor):
                 return source["shift_labels"], True
             if isinstance(source.get("labels"), torch.Tensor):
                 return source["labels"], False
-        return None, False
+        return self.targets, False
 
     def user_micro(self) -> Any:
         """What an objective ``fn(model, micro)`` receives: the engine's micro-batch when found,
@@ -83,6 +89,35 @@ class Call:
         if len(self.args) == 1 and not self.kwargs:
             return self.args[0]
         return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+
+
+def _wrapper_kind(module: nn.Module) -> str | None:
+    """``"ddp"``, ``"transparent"`` (a wrapper whose forward only hands its inputs on), or None.
+
+    A module with no parameters or buffers of its own whose one child is a DDP wrapper is taken
+    as a pass-through around it (ColossalAI's ``TorchDDPModel``: ``forward`` calls
+    ``self.module``): the probe must look through it to the model inside, or its own forwards
+    would run DDP's (which prepares DDP's reducer for a backward that never comes).
+    """
+    if is_ddp(module):
+        return "ddp"
+    if type(module).__name__ in _TRANSPARENT:
+        return "transparent"
+    children = list(module.children())
+    if (
+        len(children) == 1
+        and is_ddp(children[0])
+        and next(module.parameters(recurse=False), None) is None
+        and next(module.buffers(recurse=False), None) is None
+    ):
+        return "transparent"
+    return None
+
+
+def _inside(module: nn.Module) -> nn.Module:
+    """The module a wrapper hands its inputs to."""
+    inner = getattr(module, "module", None) or getattr(module, "_forward_module", None)
+    return inner if isinstance(inner, nn.Module) else next(module.children())
 
 
 def _in_backward() -> bool:
@@ -134,17 +169,22 @@ class Capture:
 
     def start(self) -> None:
         if self.model is None:
-            self._handles = [
-                module_hooks.register_module_forward_pre_hook(self._pre),
-                module_hooks.register_module_forward_hook(
+            try:
+                post = module_hooks.register_module_forward_hook(
                     self._post, with_kwargs=True, always_call=True
-                ),
-            ]
+                )
+            except TypeError as error:  # torch < 2.6: global hooks see no keyword arguments
+                raise RuntimeError(
+                    f"fb.probe() without a model needs global forward hooks with keyword "
+                    f"arguments (torch >= 2.6), this is torch {torch.__version__}; pass the "
+                    "model: fb.probe(model, ...)."
+                ) from error
+            self._handles = [module_hooks.register_module_forward_pre_hook(self._pre), post]
             return
         target: Any = self.model
-        while is_ddp(target) or type(target).__name__ in _TRANSPARENT:
+        while _wrapper_kind(target) is not None:
             self._wrapper = target if is_ddp(target) else self._wrapper
-            target = getattr(target, "module", None) or target._forward_module
+            target = _inside(target)
         self._handles = [
             target.register_forward_pre_hook(self._pre),
             target.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -171,7 +211,7 @@ class Capture:
         why = unsupported_wrapper(module)
         if why is not None and torch.is_grad_enabled():
             self.unsupported = self.unsupported or why
-        if is_ddp(module) or type(module).__name__ in _TRANSPARENT:
+        if _wrapper_kind(module) is not None:
             self._stack.append(_Frame("wrapper", module))
             return
         if not torch.is_grad_enabled():
@@ -191,7 +231,14 @@ class Capture:
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)
-        micro = find_micro(_tensor_ids(args, kwargs))
+        ids = _tensor_ids(args, kwargs)
+        micro = find_micro(ids)
+        sources = (kwargs, micro, *args)
+        found = any(
+            isinstance(v, Mapping) and ("labels" in v or "shift_labels" in v) for v in sources
+        )
+        inputs = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        targets = None if found or not inputs else find_labels(inputs)
         self.calls.append(
             Call(
                 module=module,
@@ -201,5 +248,6 @@ class Capture:
                 rng=frame.rng,
                 autocast=frame.autocast,
                 micro=_copied(micro),
+                targets=targets,
             )
         )

@@ -35,6 +35,19 @@ def _route(engine: Engine) -> str:
         )
     if name == "Accelerate":
         return f"{_ACCUMULATOR} (on the prepared model and optimizer, instead of accumulate())"
+    if name == "Composer":
+        return (
+            "count and average the same tokens with counts = fullbatch.composer.TokenCounts(): "
+            "DataSpec(loader, get_num_tokens_in_batch=counts), the model's loss returns "
+            "counts.loss(logits, batch), and Trainer(accumulate_train_batch_on_tokens=True)"
+        )
+    if name == "ColossalAI":
+        return (
+            f"{_ACCUMULATOR} (on the boosted model and optimizer; ddp_sync='step' when a "
+            "micro-batch takes several backward passes)"
+        )
+    if name == "Super-Gradients":
+        return f"{_ACCUMULATOR} (a loop around the model and its loss, not batch_accumulate)"
     return _ACCUMULATOR
 
 
@@ -52,7 +65,8 @@ def fix(pattern: str, engine: Engine) -> str:
     if pattern == "ranks differ":
         return (
             "Fix: let the wrapper reduce gradients on each rank's last micro-batch of the window "
-            "(DDP: no_sync() on the others only) so every replica applies the same gradient, or "
+            "(DDP: no_sync() on the others only, and one backward per micro-batch: DDP reduces "
+            "the first) so every replica applies the same gradient, or "
             f"{_ACCUMULATOR}."
         )
     if pattern == "counted twice":

@@ -96,9 +96,10 @@ def _no_labels(call: Call) -> ValueError:
     keys = sorted(call.kwargs) if call.kwargs else [f"{len(call.args)} positional"]
     return ValueError(
         f"the built-in objective needs labels, but the model received none (inputs: {keys}) "
-        "and no micro-batch with 'labels' was found around its call (a local named inputs, "
-        "batch or micro); pass objective=fn(model, micro) -> (loss_sum, count), where micro "
-        "is what the model received."
+        "and none were found around its call (a mapping with 'labels' named inputs, batch or "
+        "micro, or a tensor named labels or targets beside the model's input); pass "
+        "objective=fn(model, micro) -> (loss_sum, count), where micro is what the model "
+        "received."
     )
 
 

@@ -5,7 +5,9 @@ Trainers often keep the labels out of the model's call (fullbatch's own ``ExactT
 Lightning ``training_step`` that calls ``self(batch["input_ids"])``, a loop that computes its
 loss outside the model). The micro-batch they came from is still a local variable of a frame
 above the forward (``inputs``, ``batch``, ``micro``); :func:`find_micro` picks the one that holds
-the very tensors the model received. Nothing is written to any frame.
+the very tensors the model received; :func:`find_labels` the ``labels``/``targets`` tensor
+beside the model's input where the engine unpacked ``(inputs, targets)``. Nothing is written
+to any frame.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-__all__ = ["Engine", "find_engine", "find_micro"]
+import torch
+
+__all__ = ["Engine", "find_engine", "find_labels", "find_micro"]
 
 _MICRO_NAMES = ("inputs", "batch", "micro", "micro_batch", "mb", "data")
+_LABEL_NAMES = ("labels", "label", "targets", "target", "y")
 _DEPTH = 24
 _MAX_ITEMS = 256
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,6 +88,38 @@ def find_micro(ids: set[int]) -> Any:
     return named if named is not None else mapping
 
 
+def find_labels(ids: set[int]) -> Any:
+    """Labels kept beside the model's input rather than in a mapping.
+
+    In the nearest frame above that holds one of the tensors in ``ids`` (as a local, or inside
+    a local tuple, list or mapping): a tensor named ``labels``, ``label``, ``targets``,
+    ``target`` or ``y`` that does not require gradients (a model output left from the loop's
+    previous iteration does). Engines that unpack ``(inputs, targets)`` keep them so
+    (Super-Gradients, ``for x, y in loader``).
+
+    >>> import torch
+    >>> x, targets = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
+    >>> find_labels({id(x)}) is targets
+    True
+    """
+    frame: FrameType | None = sys._getframe(1)
+    looked = 0
+    while frame is not None and looked < _DEPTH:
+        if not _skipped(frame):
+            looked += 1
+            found = frame.f_locals
+            if any(
+                id(v) in ids or (isinstance(v, (Mapping, list, tuple)) and _holds(v, ids))
+                for v in found.values()
+            ):
+                for name in _LABEL_NAMES:
+                    value = found.get(name)
+                    if isinstance(value, torch.Tensor) and not value.requires_grad:
+                        return value
+        frame = frame.f_back
+    return None
+
+
 @dataclass(frozen=True)
 class Engine:
     """Who stepped the optimizer: a short name and whether it is one of fullbatch's routes.
@@ -131,7 +168,16 @@ def _classify(obj: Any, module: str) -> Engine | None:
         return Engine(f"transformers.{cls}" if cls == "Trainer" else f"{cls} (transformers)")
     if packages & {"lightning", "pytorch_lightning"}:
         return _lightning(obj)
+    if "composer" in packages and "Trainer" in names:
+        return Engine("Composer")
+    if "super_gradients" in packages and "Trainer" in names:
+        return Engine("Super-Gradients")
     return None
+
+
+#: Optimizer wrappers that step the torch optimizer inside them, by class name: named the
+#: engine only when no engine is found above them (``fb.Accumulator`` steps through them too).
+_WRAPPERS = {"AcceleratedOptimizer": "Accelerate", "OptimizerWrapper": "ColossalAI"}
 
 
 def _accumulator(frame: FrameType) -> Engine:
@@ -153,7 +199,7 @@ def find_engine() -> Engine:
     'a hand-written loop'
     """
     frame: FrameType | None = sys._getframe(1)
-    accelerate = False
+    wrapped = None
     for _ in range(64):
         if frame is None:
             break
@@ -165,6 +211,7 @@ def find_engine() -> Engine:
             found = _classify(obj, module)
             if found is not None:
                 return found
-            accelerate = accelerate or type(obj).__name__ == "AcceleratedOptimizer"
+            if wrapped is None:
+                wrapped = next((_WRAPPERS[n] for n in _class_names(obj)[0] if n in _WRAPPERS), None)
         frame = frame.f_back
-    return Engine("Accelerate") if accelerate else Engine("a hand-written loop")
+    return Engine(wrapped or "a hand-written loop")

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync, sum_tensors
+from fullbatch._base._sync._fsdp import is_fsdp
 
 __all__ = ["is_ddp", "probe_sync", "sum_tensors", "unsupported_wrapper"]
 
@@ -48,7 +48,7 @@ def unsupported_wrapper(module: nn.Module) -> str | None:
     >>> unsupported_wrapper(nn.Linear(1, 1)) is None
     True
     """
-    if isinstance(module, FSDPModule):
+    if is_fsdp(module):  # read from sys.modules: no FSDPModule before torch 2.6
         return (
             "FSDP2 (fully_shard) shards gradients as DTensors and reduce-scatters them in "
             "backward hooks, which the probe's own backward would trigger"
