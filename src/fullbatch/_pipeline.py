@@ -29,7 +29,7 @@ import torch
 from fullbatch._base._normalize import power_of_two_scale, scale_grads, squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
-from fullbatch._base._verdict import WindowCounters, WindowTotals, decide
+from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals, decide
 from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._pipeline_scale import check_scaler, finish_scaler, window_scale
 
@@ -77,7 +77,7 @@ def _stages(schedule: Any) -> list[Any]:
     return list(stages) if stages is not None else [schedule._stage]
 
 
-class Pipeline:
+class Pipeline(CountedSteps):
     """Exact optimizer steps over a ``torch.distributed.pipelining`` schedule.
 
     Args:
@@ -149,16 +149,6 @@ class Pipeline:
         self._scheduler = scheduler
         self.scaler = check_scaler(scaler)
         self.counters = WindowCounters()  # optimizer steps taken, windows skipped
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (skipped windows are not steps)."""
-        return self.counters.steps
-
-    @property
-    def skipped_windows(self) -> int:
-        """Windows skipped: no counted items, a non-finite loss or gradient."""
-        return self.counters.skipped_windows
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]

@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from fullbatch._base._normalize import check_count, scale_grads, squared_norm
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync import all_reduce_over
-from fullbatch._base._verdict import WindowCounters, WindowTotals, decide
+from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals, decide
 
 __all__ = ["ExactAccumulation"]
 
@@ -85,7 +85,7 @@ class _Micro:
     scale: float  # c, which the callback multiplied this micro-batch's loss by
 
 
-class ExactAccumulation(pl.Callback):
+class ExactAccumulation(CountedSteps, pl.Callback):
     """Make ``Trainer(accumulate_grad_batches=K)`` step exactly like the full batch.
 
     ``training_step`` must return ``{"loss": loss_sum, "count": n}``: the loss *summed* over
@@ -154,16 +154,6 @@ class ExactAccumulation(pl.Callback):
         self._module: pl.LightningModule | None = None
         # the Trainer's package's DDPStrategy, set at setup (either package's Trainer works)
         self._ddp: type = type(None)
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (skipped windows are not steps)."""
-        return self.counters.steps
-
-    @property
-    def skipped_windows(self) -> int:
-        """Windows skipped: no counted items, a non-finite loss or gradient."""
-        return self.counters.skipped_windows
 
     @property
     def windows(self) -> int:

@@ -71,6 +71,7 @@ __all__ = [
     "NONFINITE_GRADIENT",
     "NONFINITE_LOSS",
     "NO_ITEMS",
+    "CountedSteps",
     "Verdict",
     "WindowCounters",
     "WindowTotals",
@@ -244,3 +245,28 @@ class WindowCounters:
             RuntimeWarning,
             through=through,
         )
+
+
+class CountedSteps:
+    """The counters a wing shows its users, read from its ``counters``: mix it into a wing's
+    public class (``fb.Pipeline``, Lightning's ``ExactAccumulation``) so every wing spells
+    ``steps`` and ``skipped_windows`` the same way.
+
+    >>> class Wing(CountedSteps):
+    ...     def __init__(self) -> None:
+    ...         self.counters = WindowCounters(steps=3, skipped_windows=1)
+    >>> Wing().steps, Wing().skipped_windows
+    (3, 1)
+    """
+
+    counters: WindowCounters
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped windows are not steps)."""
+        return self.counters.steps
+
+    @property
+    def skipped_windows(self) -> int:
+        """Windows skipped: no counted items, a non-finite loss or gradient."""
+        return self.counters.skipped_windows
