@@ -4,7 +4,7 @@
 #   torch 2.6.0 (PyPI), transformers 4.53.3, accelerate 1.3.0, lightning 2.4.0,
 #   matplotlib 3.7.0 (needs numpy < 2: numpy 1.26.4), tqdm 4.60.0,
 #   pytest 9.2.0, pytest-timeout 2.4.0, hypothesis 6.170.15.
-# Result then (main ed60fee): 1426 passed, 108 skipped, 0 failed in 160 s. Skipped below their real minimums: FSDP2 on CPU and fb.Pipeline (torch >= 2.7),
+# Result then (main 0f842c5): 1437 passed, 108 skipped, 0 failed in 157 s. Skipped below their real minimums: FSDP2 on CPU and fb.Pipeline (torch >= 2.7),
 # Gemma 4 and GPT-2/BERT packing (transformers 5), fullbatch.trl and the TRL doc examples
 # (TRL is not installed here: its extra needs transformers 5).
 # tests/integrations/test_hf_trainer.py alone: 24 passed.
