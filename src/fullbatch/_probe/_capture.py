@@ -168,10 +168,13 @@ class Capture:
     _wrapper: nn.Module | None = None  # an explicit model's DDP wrapper
 
     def start(self) -> None:
+        # Run eagerly even inside a compiled call (``model.compile()`` compiles the module's
+        # whole call, hooks included): the hooks read frames and RNG state and keep tensors.
+        pre, post_hook = torch.compiler.disable(self._pre), torch.compiler.disable(self._post)
         if self.model is None:
             try:
                 post = module_hooks.register_module_forward_hook(
-                    self._post, with_kwargs=True, always_call=True
+                    post_hook, with_kwargs=True, always_call=True
                 )
             except TypeError as error:  # torch < 2.6: global hooks see no keyword arguments
                 raise RuntimeError(
@@ -179,15 +182,15 @@ class Capture:
                     f"arguments (torch >= 2.6), this is torch {torch.__version__}; pass the "
                     "model: fb.probe(model, ...)."
                 ) from error
-            self._handles = [module_hooks.register_module_forward_pre_hook(self._pre), post]
+            self._handles = [module_hooks.register_module_forward_pre_hook(pre), post]
             return
         target: Any = self.model
         while _wrapper_kind(target) is not None:
             self._wrapper = target if is_ddp(target) else self._wrapper
             target = _inside(target)
         self._handles = [
-            target.register_forward_pre_hook(self._pre),
-            target.register_forward_hook(self._post, with_kwargs=True, always_call=True),
+            target.register_forward_pre_hook(pre),
+            target.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
         ]
 
     def stop(self) -> None:
