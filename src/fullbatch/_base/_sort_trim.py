@@ -18,8 +18,14 @@ Rules (DESIGN.md, "Contract, part 2"):
   as ``token_keys``. Another tensor whose dimension 1 is ``L`` could hold one value per
   token or per row (a feature vector as wide as the padding by chance): without
   ``token_keys`` it is refused, naming it, never trimmed on a guess. On the first windows a
-  known key's trimmed columns must hold padding only (one value: the pad id, ``-100``, 0), or
-  it is not aligned with the lengths (a decoder's labels?) and is refused. Other tensors with
+  known key that decides what the loss counts (:data:`COUNTED_KEYS`: ``labels`` and the loss
+  masks) must hold padding only in its trimmed columns (one value: ``-100``, 0), or it is not
+  aligned with the lengths (a decoder's labels, a label on the first padding position?) and is
+  refused. Inputs (``input_ids``, ``token_type_ids``, ...) are not checked where a 2-D mask
+  gives the lengths: the mask marks their trimmed columns as padding, whatever values a
+  collator left there (several pad ids, an end-of-sequence token), so cutting them cannot
+  change the loss. With lengths from a callable or a 1-D key no mask defines them, and they are
+  checked like the labels. Other tensors with
   the row count first follow their rows whole; 0-dim tensors and non-tensor leaves go
   unchanged to every micro-batch.
 - A window whose mask is not right-padded (not ``1...10...0`` in every row: left padding) is
@@ -38,7 +44,7 @@ from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
 
-__all__ = ["TOKEN_KEYS", "Lengths", "SortTrim"]
+__all__ = ["COUNTED_KEYS", "TOKEN_KEYS", "Lengths", "SortTrim"]
 
 Lengths = str | Callable[[Any], Any]
 
@@ -51,6 +57,8 @@ TOKEN_KEYS = frozenset(
         "assistant_masks",
     }
 )  # fmt: skip
+#: Known token keys that decide what the loss counts: trimming them must cut padding only.
+COUNTED_KEYS = frozenset({"labels", "loss_mask", "completion_mask", "assistant_masks"})
 #: windows whose trimmed columns are checked to hold padding only (known keys)
 _CONTENT_CHECKS = 2
 
@@ -173,6 +181,10 @@ class SortTrim:
                 neither known nor declared (``token_keys``): per token or per row?
         """
         own = self.lengths if isinstance(self.lengths, str) else None
+        # A 2-D mask marks the trimmed columns as padding for every input: only what the loss
+        # counts is checked then (an input's padding may hold several values, harmlessly).
+        masked = own is not None and _dims(item, own) == 2
+        checked = COUNTED_KEYS if masked else TOKEN_KEYS - {"position_ids"}
         trim: set[int] = set()
         check: dict[int, str] = {}
         for name, t in _named_leaves(item):
@@ -180,7 +192,7 @@ class SortTrim:
                 continue
             if name is not None and (name == own or name in (self.token_keys or TOKEN_KEYS)):
                 trim.add(id(t))
-                if self.token_keys is None and name not in (own, "position_ids"):
+                if self.token_keys is None and name != own and name in checked:
                     check[id(t)] = name
             elif self.token_keys is None:
                 raise ValueError(_ambiguous(name, t, width, _keys(item)))
@@ -327,6 +339,12 @@ def _ambiguous(name: str | None, t: torch.Tensor, width: int, keys: set[str]) ->
         f"trims {name!r} with the tokens; leave it out of token_keys and it follows its rows "
         "whole."
     )
+
+
+def _dims(item: Any, key: str) -> int:
+    """Dimensions of the tensor under ``key`` (0 when there is none)."""
+    value = item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
+    return value.dim() if isinstance(value, torch.Tensor) else 0
 
 
 def _keys(item: Any) -> set[str]:
