@@ -145,7 +145,8 @@ def train(trainer: Any, loss: nn.Module, data: list[Any], epochs: int, clip: flo
         if weights and patterns != ["right"]:
             detail += f" (weights {min(weights):.2f}-{max(weights):.2f})"
         verdict = "right" if report.ok else "WRONG"
-        columns = f"{verdict} ({len(report.windows)} windows) | {worst.error:.1e} | {detail}"
+        checked = f"{len(report.windows)} window{'s' * (len(report.windows) > 1)}"
+        columns = f"{verdict} ({checked}) | {worst.error:.1e} | {detail}"
     return flat(net) - before, columns, int(left)
 
 

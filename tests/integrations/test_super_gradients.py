@@ -203,29 +203,39 @@ def sg_callback(sg: Any) -> type:
 # -- skipped windows -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("poison", ["nan", "no-items"])
+@pytest.mark.parametrize("poison", ["nan-loss", "inf-gradient", "no-items"])
 def test_a_bad_window_is_skipped_and_the_next_is_exact(sg: Any, tmp_path: Any, poison: str) -> None:
-    data = images(5 * PER_MICRO)
-    x, y = data[8]  # the first epoch's last, one-micro-batch window (window 1)
-    if poison == "nan":
+    """Each epoch's last, one-micro-batch window (windows 1 and 3) is poisoned."""
+    data, net = images(5 * PER_MICRO), PixelNet()
+    x, y = data[8]
+    if poison == "nan-loss":
         data[8] = (x.clone().fill_(float("nan")), y)
-    else:
+    elif poison == "no-items":
         data[8], data[9] = (x, torch.full_like(y, -100)), (data[9][0], torch.full_like(y, -100))
+    else:
+        backward = iter(range(10))  # micro-batches 4 and 9 (of 0-9) get an inf gradient
+        net.head.bias.register_hook(lambda g: g * math.inf if next(backward) % 5 == 4 else g)
     ends: list[int] = []
+    after: list[torch.Tensor] = []  # the parameters after each micro-batch
 
-    class Ends(sg_callback(sg)):  # type: ignore[misc]
+    class Watch(sg_callback(sg)):  # type: ignore[misc]
         def on_train_batch_gradient_step_end(self, context: Any) -> None:
             ends.append(context.batch_idx)
+
+        def on_train_batch_end(self, context: Any) -> None:
+            after.append(flat(context.net))
 
     trainer = make(sg.ExactTrainer, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        net = train(trainer, sg.SummedLoss(pixel_sum), data, 4, 2, phase_callbacks=[Ends()])
-    reason = "non-finite loss" if poison == "nan" else "no items counted in the window"
+        train(trainer, sg.SummedLoss(pixel_sum), data, 4, 2, net=net, phase_callbacks=[Watch()])
+    reason = {"nan-loss": "non-finite loss", "inf-gradient": "non-finite gradient",
+              "no-items": "no items counted in the window"}[poison]  # fmt: skip
     skips = [w for w in caught if w.category is RuntimeWarning and reason in str(w.message)]
     assert len(skips) == 2  # one skip per epoch: the 1st and 2nd warn
     assert (trainer.fb_counters.steps, trainer.fb_counters.skipped_windows) == (2, 2)
     assert ends == [3, 3]  # no step phase for a skipped window
+    assert torch.equal(after[4], after[3]) and torch.equal(after[9], after[8])  # untouched
     assert error(net, reference(data, 4, 2, skip=(1, 3))) < 1e-12
 
 
