@@ -219,6 +219,11 @@ class ExactTrainer(Trainer):
     Raises (from ``train``): ValueError for a criterion other than :class:`SummedLoss`, a
     ``batch_accumulate`` that is not a positive int, a ``training_params`` that is not a
     dict, a DDP or ``DataParallel`` model, a count that is negative or not finite.
+
+    >>> ExactTrainer(experiment_name="seg", batchnorm="running")
+    Traceback (most recent call last):
+    ...
+    ValueError: batchnorm must be None or 'window', got 'running'
     """
 
     def __init__(self, *args: Any, batchnorm: str | None = None, **kwargs: Any) -> None:
