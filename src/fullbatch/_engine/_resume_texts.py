@@ -216,7 +216,7 @@ def _optimizer(row: Row, names: list[str]) -> str:
             "the optimizer's state does not match the loaded Accumulator state (acc.steps = "
             f"{int(row[STEPS])}): the optimizer holds state for {int(now[0])} parameter(s)"
             f"{_steps(now)}, the run that saved it held state for {int(saved[0])}"
-            f"{_steps(saved)}"
+            f"{_steps(saved)}" + (_GIVEN_A_STATE if _given_a_state(row) else "")
         )
     return (
         "the optimizer's state is not the one saved with this state: the state of "
@@ -224,6 +224,31 @@ def _optimizer(row: Row, names: list[str]) -> str:
         f"{int(now[0])} parameter(s){_steps(now)} as the saving run did. It was not loaded "
         "(DCP's get_state_dict(model, optimizer) gives a fresh optimizer a zeroed state at "
         "step 1), or was loaded from another checkpoint"
+    )
+
+
+_GIVEN_A_STATE = (
+    ": it had not stepped yet, and this one was given a state, e.g. by DCP's get_state_dict "
+    "or set_state_dict, which step an optimizer without a state with every learning rate 0"
+)
+
+
+def _given_a_state(row: Row) -> bool:
+    """The saving run's optimizer had no state; this one has one."""
+    return row[PROGRESS_SAVED] == 0 < row[PROGRESS_NOW]
+
+
+def _optimizer_fix(rows: list[Row]) -> str:
+    if all(_given_a_state(r) for r in rows):
+        return (
+            "Leave the optimizer fresh, as it was when the state was saved: before the first "
+            "step load the model alone (get_model_state_dict, dcp.load, set_model_state_dict; "
+            "docs/checkpointing.md)."
+        )
+    return (
+        _load_fix("optimizer's state", "optimizer.load_state_dict(...)")(rows)
+        + " A fresh optimizer (no momentum, no Adam moments, step 0) trains differently from "
+        "the uninterrupted run."
     )
 
 
@@ -284,14 +309,7 @@ _TEXTS: dict[int, tuple[Say, Callable[[list[Row]], str]]] = {
             "yourself before training, build the Accumulator after that.)"
         ),
     ),
-    OPTIMIZER: (
-        _optimizer,
-        lambda rows: (
-            _load_fix("optimizer's state", "optimizer.load_state_dict(...)")(rows)
-            + " A fresh optimizer (no momentum, no Adam moments, step 0) trains differently from "
-            "the uninterrupted run."
-        ),
-    ),
+    OPTIMIZER: (_optimizer, _optimizer_fix),
     MODEL: (_model, _load_fix("model's state", "model.load_state_dict(...)")),
     DATA: (_data, _data_fix),
 }
