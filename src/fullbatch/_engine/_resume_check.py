@@ -71,7 +71,6 @@ class ResumeCheck:
 
     engine: Engine
     names: list[str]
-    first_item: Any
     problems: int = 0
     model_diff: list[int] = field(default_factory=list)  # indices of parameters that differ
     optimizer_diff: list[int] = field(default_factory=list)
@@ -79,7 +78,7 @@ class ResumeCheck:
 
     @classmethod
     def local(cls, engine: Engine, names: list[str], feed: Feed, first_item: Any) -> ResumeCheck:
-        check = cls(engine, names, first_item, problems=engine.start_problems)
+        check = cls(engine, names, problems=engine.start_problems)
         pending = engine.pending
         if pending is None:
             return check
@@ -110,7 +109,7 @@ class ResumeCheck:
             saved = pending.get("optimizer") or [_NAN, _NAN]
         else:
             epochs, saved = [guard._scheduler_epoch(), guard._epoch], [_NAN, _NAN]
-        return [
+        row = [
             float(pending is not None),
             float(engine.counters.steps),
             float(engine.counters.skipped_windows),
@@ -125,6 +124,8 @@ class ResumeCheck:
             float(pending["loader_items"]) if pending is not None else 0.0,
             float(self.position),
         ]
+        assert len(row) == WIDTH  # the slots of _resume_texts
+        return row
 
     def verdict(self, rows: list[list[float]], have: list[int]) -> None:
         """Raise :class:`ResumeMismatch` on every rank when any rank's row shows a problem,
