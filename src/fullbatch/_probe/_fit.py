@@ -27,9 +27,8 @@ Four parts make a weight's standard error, added in quadrature:
   condition number (added, relative).
 
 The factor's error is the same without the third part (``sqrt(Σ_i r_i² var_i) / <r, r>`` and
-``<δ, r> / <r, r>``). Measured against right runs (bfloat16 autocast, bfloat16 and float32
-parameters, 4 to 8 uneven micro-batches, 210 windows): no weight strayed more than 1.4 of its
-errors, no factor more than 3.9. These are the precisions the judge
+``<δ, r> / <r, r>``). How well they hold on right runs is measured by
+``benchmarks/probe_judgement.py``. These are the precisions the judge
 (:mod:`fullbatch._probe._judge`) holds each weight to.
 """
 

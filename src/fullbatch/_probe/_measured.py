@@ -28,7 +28,9 @@ class Measured:
         counts: each micro-batch's item count, rank by rank.
         count: ``N``, the window's item count over every rank.
         fit: the weights, the factor, the leftover and their precisions.
-        unit: the unit roundoff of the dtype the applied gradient is held in.
+        unit: the coherent rounding a right engine is allowed: the unit roundoff of the least
+            precise dtype the window's gradient flows through (the gradient's, the parameters',
+            an autocast region's; at least float32's).
         applied_norm: ``‖applied‖`` as the optimizer will apply it (after any clip).
         ranks_differ: the largest relative difference between ranks' applied gradients.
         clip: ``(max_norm, total_norm)`` of the clip the window saw, or None.

@@ -39,7 +39,7 @@ class WindowCheck:
             when right; 1.0: it was kept whole).
         precision: each weight's standard error, measured on this run (the band run's
             rounding through the fit); a weight is off beyond ``Z`` (6) of them plus the unit
-            roundoff of the gradient's dtype.
+            roundoff of the least precise dtype the gradient flows through (at least float32).
         factor: the applied gradient's best uniform factor on the reference (1.0 when right);
             ``factor_precision`` its standard error.
         diagnosis: a sentence: the pattern (see ``pattern``), which micro-batch and by how

@@ -178,10 +178,12 @@ def measure(
     del ref
     band = math.sqrt(k_total) * float(every[:, 4].max()) / ref_norm if ref_norm > 0 else math.nan
     tol = tolerance(band, _eps_dtype([p.dtype for p in params]))
-    # a right engine may round a scalar once where its loss is computed: in the gradient's
-    # dtype, and at least in float32 (loss paths upcast to it: autocast, transformers, ours)
-    held = _eps_dtype([torch.float32, *(g.dtype for g in applied if g is not None)])
-    unit = unit_roundoff(held)
+    held = unit_roundoff(_eps_dtype([g.dtype for g in applied if g is not None]))
+    # a right engine may round values coherently (a scalar 1/N, nearly equal logit gradients)
+    # in any dtype the window's gradient flows through: the gradient's, the parameters', an
+    # autocast region's, and at least float32 (loss paths upcast to it)
+    flows = [torch.float32, *(p.dtype for p in params), *(d for c in mine for _, d in c.autocast)]
+    unit = max(held, unit_roundoff(_eps_dtype(flows)))
 
     local_rows = torch.zeros(len(local_counts), m_local + 1, dtype=torch.float64)
     vectors = torch.zeros(3, m_local + 1, dtype=torch.float64)  # applied, leftover, δ
@@ -213,7 +215,7 @@ def measure(
         banded = max(with_sampler, key=lambda r: float(every[r, 4]))
         result = fit(
             samples, left if isinstance(left, torch.Tensor) else None, mine_a / coef, count,
-            delta=all_vectors[banded][2, 1:], unit=unit, counts=counts,
+            delta=all_vectors[banded][2, 1:], unit=held, counts=counts,
             band_count=float(every[banded, 5]),
         )  # fmt: skip
 
