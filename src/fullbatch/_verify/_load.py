@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._base._losses import causal_lm_loss
 from fullbatch._proof._loader import LoadError, load_function, one_line
-from fullbatch._proof._objective import logits_of
+from fullbatch._proof._objective import logits_of, objective_loss
 
 __all__ = [
     "InputError",
@@ -210,4 +209,4 @@ def causal_lm_loss_fn(model: nn.Module, micro: Mapping[str, torch.Tensor]) -> An
         output = model(**kwargs)
     else:
         output = model(input_ids)
-    return causal_lm_loss(_logits(output, input_ids), micro["labels"])
+    return objective_loss("causal_lm", _logits(output, input_ids), micro["labels"])
