@@ -18,7 +18,7 @@ from torch import nn
 
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
-from fullbatch._base._verdict import WindowCounters
+from fullbatch._base._verdict import Verdict, WindowCounters
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
@@ -64,6 +64,7 @@ class Engine:
     counters: WindowCounters = field(default_factory=WindowCounters)  # steps, skipped windows
     loss_scale: float | None = None  # c of the next window; None before the first
     start_problems: int = 0  # resume problems found before the next window start (_resume_check)
+    verdict: Verdict | None = None  # the last window's verdict, published before its step
     # -- the window slot -------------------------------------------------------------------
     window: WindowState | None = None  # the open window: set by open_window, cleared by end
     pending: dict[str, Any] | None = None  # a loaded state, restored into the next window

@@ -42,9 +42,22 @@ class Window:
             stats = window.step()
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fb.Accumulator"
+
     def __init__(self, engine: Engine, state: WindowState) -> None:
         self._engine = engine
         self._state = state
+
+    def fullbatch_clip(self) -> tuple[float, float, float] | None:
+        """The clip folded into the multiply of the step being taken, as ``fb.probe`` reports
+        it: ``(max_grad_norm, the norm before the clip, its coefficient)``; None without one.
+        """
+        verdict, limit = self._engine.verdict, self._engine.step_plan.max_grad_norm
+        if verdict is None or limit is None or not verdict.clip < 1.0:
+            return None
+        return limit, verdict.grad_norm, verdict.clip
 
     @property
     def index(self) -> int:

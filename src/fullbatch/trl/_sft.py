@@ -62,6 +62,10 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     True
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.trl.ExactSFTTrainer"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = bind(SFTTrainer.__init__, args, kwargs)
         config = given.get("args")
