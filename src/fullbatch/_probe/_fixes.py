@@ -48,7 +48,11 @@ def _route(engine: Engine) -> str:
             "micro-batch takes several backward passes)"
         )
     if package == "super_gradients":
-        return f"{_ACCUMULATOR} (a loop around the model and its loss, not batch_accumulate)"
+        return (
+            "use fullbatch.super_gradients.ExactTrainer in place of Trainer (same arguments) "
+            "with training_params['loss'] = SummedLoss(fn), fn(outputs, targets) -> "
+            "(loss_sum, count)"
+        )
     return _ACCUMULATOR
 
 
