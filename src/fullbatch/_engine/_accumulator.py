@@ -14,12 +14,14 @@ from fullbatch._base._sort_trim import Lengths
 from fullbatch._base._sync import SyncPlan
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
+from fullbatch._engine._checks import engine_watches
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
+from fullbatch._engine._loader_checks import LoaderChecks
 from fullbatch._engine._micro_plan import MicroBatchPlan
-from fullbatch._engine._mistakes import MistakeChecks, warn_untrained
+from fullbatch._engine._mistakes import warn_untrained
 from fullbatch._engine._open import open_window
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
@@ -228,24 +230,30 @@ class Accumulator:
         window_bn = WindowBatchNorm(model) if step_plan.window_batchnorm else None
         warn_batchnorm(model, window_statistics=step_plan.window_batchnorm)
         warn_untrained(model, optimizer)
+        guard = LoopGuard(optimizer, prepared.watched_scheduler, params)
+        self._loader_checks = LoaderChecks(micro_batch_size=micro_plan.fixed_rows)
+        pack_check = FirstWindowCheck(model, sync) if micro_plan.checks_packing else None
         self._engine = Engine(
             model=model,
             optimizer=optimizer,
             params=params,
             sync=sync,
-            guard=LoopGuard(optimizer, prepared.watched_scheduler, params),
+            guard=guard,
             prepared=prepared,
             window_hooks=WindowHooks(),
-            mistakes=MistakeChecks(
+            watches=engine_watches(
                 model,
                 optimizer,
                 sync=sync,
-                scheduler=scheduler,
-                micro_batch_size=micro_plan.fixed_rows,
+                guard=guard,
+                loader=self._loader_checks,
+                pack=pack_check,
+                scheduler_given=scheduler is not None,
+                shares=micro_plan.counts is not None,
             ),
             grad_buffers=buffers,
             batchnorm=window_bn,
-            pack_check=FirstWindowCheck() if micro_plan.checks_packing else None,
+            pack_check=pack_check,
             micro_plan=micro_plan,
             step_plan=step_plan,
         )
@@ -303,7 +311,7 @@ class Accumulator:
         check_loader(loader)
         engine = self._engine
         plan = engine.micro_plan
-        engine.mistakes.loader(
+        self._loader_checks.loader(
             loader, micro_batches=plan.micro_batches, resuming=engine.pending is not None
         )
         return Windows(
@@ -481,8 +489,7 @@ class Accumulator:
         engine.sync.end()
         if engine.batchnorm is not None:
             engine.batchnorm.close()
-        engine.guard.close()
-        engine.mistakes.close()
+        engine.watches.close()  # the loop guard among them: its optimizer hooks go too
         engine.closed = True
 
     def __enter__(self) -> Accumulator:
