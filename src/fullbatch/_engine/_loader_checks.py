@@ -83,7 +83,7 @@ class LoaderChecks(Watch):
         self._size_checks = _SIZE_CHECKS if micro_batch_size is not None else 0
         self._single = 0  # windows of one micro-batch of exactly micro_batch_size rows
         self._loader_items: int | None = None
-        self._rows_checked = False  # the first window's micro-batches were looked at
+        self._windows = 0  # windows begun (the first one's micro-batches are looked at)
         self._warned: set[str] = set()
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -105,10 +105,9 @@ class LoaderChecks(Watch):
             self._warn_once(key, message)
 
     def on_micro_batch(self, state: WindowState, micro: Any) -> bool:
-        if state.index > 0:
-            self._rows_checked = True
-        if not self._rows_checked and _is_row_list(micro):
-            self._rows_checked = True
+        if state.yielded == 1:
+            self._windows += 1
+        if self._windows <= 1 and "rows" not in self._warned and _is_row_list(micro):
             self._warn_once(
                 "rows",
                 f"a micro-batch is a list of {len(micro)} per-row records, handed to your loop "
@@ -119,7 +118,7 @@ class LoaderChecks(Watch):
             )
         if self._size_checks > 0 and state.yielded == 1:
             self._check_size(state, micro)
-        return self._rows_checked and self._size_checks == 0
+        return self._windows > 1 and self._size_checks == 0
 
     def _check_size(self, state: WindowState, micro: Any) -> None:
         """A window of one micro-batch of exactly micro_batch_size rows: micro-batches given?"""

@@ -88,12 +88,13 @@ class SameLossTwice(Watch):
         self._graphs: list[Any] = []  # autograd nodes backpropagated for this micro-batch
 
     def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> None:
+        graphs = self._graphs
         if state.current_backwards == 0:
-            self._graphs.clear()  # a new micro-batch
+            graphs.clear()  # a new micro-batch
         node = _graph(loss)
         if node is None:
             return
-        if any(node is seen for seen in self._graphs):
+        if graphs and any(node is seen for seen in graphs):
             raise ValueError(
                 "the same loss was passed to window.backward twice for this micro-batch "
                 f"(window {state.index}): its gradient would count twice. Call "
@@ -121,7 +122,7 @@ class LearningRateWatch(Watch):
         self._lrs: list[Any] | None = None
 
     def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> None:
-        lrs = [_lr(group.get("lr", 0.0)) for group in self._groups]
+        lrs = [_lr(group.get("lr", 0.0)) for group in self._groups]  # ~0.3 us for one group
         if self._window is not state:
             self._window, self._lrs = state, lrs
             return

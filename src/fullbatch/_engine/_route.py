@@ -49,6 +49,7 @@ class ForwardRoute(Watch):
         self._depth = 0  # wrapper forwards running now
         self._wrapped = False  # a wrapper forward ran for this micro-batch
         self._alone = False  # an inner forward with grad ran outside any wrapper forward
+        self._windows = 0  # windows begun
         self._handles = [
             wrapper.register_forward_pre_hook(self._enter),
             wrapper.register_forward_hook(self._leave, always_call=True),
@@ -66,8 +67,10 @@ class ForwardRoute(Watch):
     # -- the Watch ---------------------------------------------------------------------------
 
     def on_micro_batch(self, state: WindowState, micro: Any) -> bool:
-        if state.index > 0:
-            return True  # the first window is over: its checks are done
+        if state.yielded == 1:
+            self._windows += 1
+            if self._windows > 1:
+                return True  # a second window begins: the first one's checks are done
         self.start_micro_batch()
         return False
 
