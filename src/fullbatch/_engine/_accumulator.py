@@ -20,7 +20,7 @@ from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
 from fullbatch._engine._loader_checks import LoaderChecks
-from fullbatch._engine._micro_plan import MicroBatchPlan
+from fullbatch._engine._micro_plan import MicroBatchPlan, on_accelerator
 from fullbatch._engine._mistakes import warn_untrained
 from fullbatch._engine._open import open_window
 from fullbatch._engine._precision import make_grad_buffers
@@ -66,6 +66,15 @@ class Accumulator:
             and cutting trailing padding change nothing but rounding. An integer or ``"auto"``.
         sort_rows: with ``micro_batch_size``: sort each window's rows by length first and trim
             each micro-batch to its own longest row (same rows per micro-batch, less padding).
+        pad_to_multiple_of: with ``micro_batch_tokens`` or ``sort_rows``: round each trimmed
+            micro-batch's width (a packed row's length) up to a multiple of this, so that a
+            GPU meets few distinct shapes (each new one costs an attention plan, a compiled
+            graph). The columns added past the window's width hold each key's padding
+            (``labels`` -100, masks 0, other token keys the window's own padding value); the
+            count is unchanged and each step still equals the full batch; with
+            ``micro_batch_tokens``, rows x rounded width stays within the budget (a single
+            longer row aside). ``None``: 64 when the model is on a GPU (or another
+            accelerator), exact widths on a CPU; ``1``: exact widths everywhere.
         lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
             loader item whose nonzero entries per row count the real tokens (default
             ``"attention_mask"``, right padding), or ``fn(item) -> 1-D integer tensor``.
@@ -166,6 +175,7 @@ class Accumulator:
         micro_batch_size: int | Literal["auto"] | None = None,
         micro_batch_tokens: int | Literal["auto"] | None = None,
         sort_rows: bool = False,
+        pad_to_multiple_of: int | None = None,
         lengths: Lengths = "attention_mask",
         token_keys: Collection[str] | None = None,
         pack: bool = False,
@@ -192,6 +202,7 @@ class Accumulator:
             micro_batch_size=micro_batch_size,
             micro_batch_tokens=micro_batch_tokens,
             sort_rows=sort_rows,
+            pad_to_multiple_of=pad_to_multiple_of,
             lengths=lengths,
             token_keys=token_keys,
             pack=pack,
@@ -199,6 +210,7 @@ class Accumulator:
             partial_window=partial_window,
             padding_micro_batch=padding_micro_batch,
             counts=counts,
+            accelerator=on_accelerator(model),
         )
         sync_plan = SyncPlan(
             ddp_sync=ddp_sync,
