@@ -76,7 +76,7 @@ def test_token_budget_rounded_equals_full_batch(tokens: int, multiple: int) -> N
                               pad_to_multiple_of=multiple)  # fmt: skip
     for m in micros:
         rows, width = m["input_ids"].shape
-        assert width % multiple == 0
+        assert width % multiple == 0 or width == tokens  # never rounded past the budget
         assert rows * width <= tokens or rows == 1
     check_exact(window(seed=tokens), micro_batch_tokens=tokens, pad_to_multiple_of=multiple)
 
@@ -100,7 +100,7 @@ def test_packed_rows_rounded_equal_full_batch(tokens: int) -> None:
     for m in micros:
         n = m["input_ids"].shape[1]
         cu = m["cu_seq_lens_q"]
-        assert n % 4 == 0 and int(cu[-1]) == n
+        assert (n % 4 == 0 or n == tokens) and int(cu[-1]) == n
         assert n <= tokens or len(cu) <= 3  # one row, and maybe its padding sequence
         assert m["max_length_q"] == int((cu[1:] - cu[:-1]).max())
     check_exact(batch, micro_batch_tokens=tokens, pack=True, pad_to_multiple_of=4)
@@ -219,9 +219,9 @@ def test_every_row_once_widths_on_the_grid_budget_kept(
         rows, w = m["input_ids"].shape
         real = int(m["attention_mask"].sum(1).max())
         assert torch.equal(m["attention_mask"].sum(1), mask[m["row"]].sum(1))
-        assert w % multiple == 0 or (not padded and w == width)
+        assert w % multiple == 0 or w == tokens or (not padded and w == width)
         assert w - max(real, 1) < multiple or (not padded and w == width)
-        assert rows * w <= tokens or rows == 1
+        assert rows * w <= tokens or (rows == 1 and real > tokens)  # the budget, rounded too
 
 
 # -- refused before anything changes ------------------------------------------------------------
@@ -256,6 +256,10 @@ def test_none_is_exact_on_a_cpu_and_64_on_an_accelerator() -> None:
     assert MicroBatchPlan(micro_batch_tokens=64).pad_to_multiple_of is None
     on_gpu = MicroBatchPlan(micro_batch_tokens=64, accelerator=True)
     assert on_gpu.pad_to_multiple_of == ACCELERATOR_MULTIPLE == 64
+    auto = MicroBatchPlan(micro_batch_tokens="auto", accelerator=True)
+    assert auto.pad_to_multiple_of == 64
+    # a budget below the multiple: every micro-batch would be one row; exact widths instead
+    assert MicroBatchPlan(micro_batch_tokens=48, accelerator=True).pad_to_multiple_of is None
     assert MicroBatchPlan(micro_batch_size=4, sort_rows=True, accelerator=True).mode == (
         "micro_batch_size, sort_rows, pad_to_multiple_of=64"
     )

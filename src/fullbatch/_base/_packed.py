@@ -14,11 +14,10 @@ Rows are never split or truncated: a row longer than ``T`` is a micro-batch of i
 once). With ``pad_to_multiple_of=m`` (:mod:`fullbatch._base._widths`) each packed row's length
 is rounded up to a multiple of ``m`` by one more packed sequence of padding at its end (its own
 ``cu_seq_lens`` span, ``position_ids`` from 0, labels ``-100``, the other keys the window's own
-padding): rows are packed into ``T`` rounded down to a multiple of ``m``, so the rounded
-length stays within ``T`` (a single longer row aside). A window whose every row fills its
-width has no padding to copy: its packed rows are not rounded. Empty rows (length 0) hold no
-token and are left out. Per-row tensors (a label per row) cannot follow their tokens into one
-packed row and are refused with the fix.
+padding), never past ``T`` when the packed rows fit in it (the length is then ``T``). A
+window whose every row fills its width has no padding to copy: its packed rows are not
+rounded. Empty rows (length 0) hold no token and are left out. Per-row tensors (a label per
+row) cannot follow their tokens into one packed row and are refused with the fix.
 """
 
 from __future__ import annotations
@@ -108,20 +107,18 @@ class RowPacker:
         budget = self.micro_batch_tokens
         rounding = self.widths.multiple is not None and min(lengths) < width
         longest = max(lengths)
-        if (self.widths.round(longest) if rounding else longest) > budget:
+        if longest > budget:
             self._warn(
                 "long",
-                f"a row of {longest} tokens is longer than micro_batch_tokens={budget}"
-                + (" once rounded up" if longest <= budget else "")
-                + ": it is a packed micro-batch of its own (exact, but larger than the budget). "
-                "Raise micro_batch_tokens or cut long rows in the loader.",
+                f"a row of {longest} tokens is longer than micro_batch_tokens={budget}: it is "
+                "a packed micro-batch of its own (exact, but larger than the budget). Raise "
+                "micro_batch_tokens or cut long rows in the loader.",
             )
-        capacity = self.widths.capacity(budget) if rounding else budget
-        bins = first_fit_decreasing(lengths, capacity)
+        bins = first_fit_decreasing(lengths, budget)
         sizes = [[lengths[r] for r in rows] for rows in bins]
         if rounding:  # one more packed sequence, of padding, rounds each packed row up
             for bin_sizes in sizes:
-                extra = self.widths.round(sum(bin_sizes)) - sum(bin_sizes)
+                extra = self.widths.within(sum(bin_sizes), budget) - sum(bin_sizes)
                 if extra:
                     bin_sizes.append(extra)
         meta = _BinMeta(sizes, _device_of(item))

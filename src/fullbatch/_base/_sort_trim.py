@@ -193,8 +193,9 @@ class SortTrim:
         return self.widths.round(width) if shorter else width
 
     def _width(self, longest: int, widest: int) -> int:
-        """A micro-batch's width: its longest row (at least 1), rounded, at most ``widest``."""
-        return min(self.widths.round(max(longest, 1)), widest)
+        """A micro-batch's width: its longest row (at least 1), rounded (not past the token
+        budget when that row fits in it), at most ``widest``."""
+        return min(self.widths.within(max(longest, 1), self.micro_batch_tokens), widest)
 
     def _pads(
         self, item: Any, lengths: torch.Tensor, width: int, trim: set[int]

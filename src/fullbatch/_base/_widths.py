@@ -13,7 +13,8 @@ window's own padding value, read on the device at the last position of a row sho
 window (no host read). A window whose every row fills its width has no padding to copy: its
 micro-batches keep the window's width.
 
-Row counts (``micro_batch_tokens``): rows x rounded width stays within the budget, so a full
+With a token budget a width is never rounded past the budget when the longest row fits in it
+(the budget is the width then). Row counts: rows x width stays within the budget, so a full
 micro-batch's rows are ``budget // width``, one count per width; only a window's last
 micro-batch takes the rows left. No rule more: a power-of-two row count for that last one
 would halve the distinct shapes again but cost up to 40% more micro-batches per window for the
@@ -49,10 +50,15 @@ class Widths:
         m = self.multiple
         return width if m is None else -(-width // m) * m
 
-    def capacity(self, budget: int) -> int:
-        """A packing budget whose packed rows, rounded, stay within ``budget``."""
-        m = self.multiple
-        return budget if m is None or budget < m else budget // m * m
+    def within(self, longest: int, budget: int | None) -> int:
+        """``longest`` rounded up, but never past a token ``budget`` that ``longest`` fits in
+        (the budget itself is then the width: one more point on the grid).
+
+        >>> Widths(64).within(70, 100), Widths(64).within(70, 128), Widths(64).within(130, 100)
+        (100, 128, 192)
+        """
+        wide = self.round(longest)
+        return budget if budget is not None and longest <= budget < wide else wide
 
 
 def fill_value(name: str | None, lengths_key: str | None) -> float | None:

@@ -195,10 +195,13 @@ class MicroBatchPlan:
 
     def _check_multiple(self) -> None:
         """``pad_to_multiple_of``: an integer >= 1 that rounds the widths of sorted rows; None:
-        exact widths on a CPU, :data:`ACCELERATOR_MULTIPLE` on an accelerator."""
+        exact widths on a CPU, :data:`ACCELERATOR_MULTIPLE` on an accelerator (exact below a
+        token budget of that size)."""
         m = self.pad_to_multiple_of
         if m is None:
-            if self.accelerator and self.sorts:
+            tokens = self.micro_batch_tokens
+            small = isinstance(tokens, int) and tokens < ACCELERATOR_MULTIPLE
+            if self.accelerator and self.sorts and not small:
                 object.__setattr__(self, "pad_to_multiple_of", ACCELERATOR_MULTIPLE)
             return
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
