@@ -7,10 +7,9 @@ No model runs: each arm cuts the same windows into micro-batches (fullbatch's ow
 the fullbatch arms) and counts the distinct ``(rows, width)`` pairs, the padded tokens computed
 per real token, and the micro-batches per window. Windows of 64 rows whose lengths are
 lognormal (median 300, sigma 1) clipped to 16..2048, each window padded to its own longest
-row, as a collator pads. On a GPU every new shape costs a plan, a compiled graph or a CUDA
-graph: issue 31 measured about 0.13 s per new (rows, width) for sdpa attention on an H200
-(torch 2.11, cuDNN attention), so the column ``~s on new shapes`` is that figure times the
-shapes, an estimate, not a measurement; ``scripts/gpu_check.py --rows shapes`` measures it.
+row, as a collator pads. On a GPU every new shape costs an attention plan, a compiled graph or
+a CUDA graph; what that costs in seconds is measured on a GPU by
+``python scripts/gpu_check.py --rows shapes``, not here.
 
 The arms: the hand loop's 8-row micro-batches in loader order (each trimmed to its own
 longest row, or rounded up to x128); ``micro_batch_size=8`` (the window's width);
@@ -32,7 +31,7 @@ import torch
 from fullbatch._base._widths import Widths
 from fullbatch._engine._micro_plan import MicroBatchPlan
 
-ROWS, MICRO_ROWS, H200_S_PER_SHAPE = 64, 8, 0.13
+ROWS, MICRO_ROWS = 64, 8
 
 
 def lengths(windows: int, seed: int) -> list[list[int]]:
@@ -150,18 +149,17 @@ def main() -> None:
         f"{args.windows} windows of {ROWS} rows, lengths lognormal (median 300, sigma 1) "
         f"clipped to 16..2048 (mean {sum(map(sum, data)) / len(data) / ROWS:.0f}); distinct "
         "(rows, width) shapes after 8, 50 and all windows; computed / real tokens; "
-        f"micro-batches per window; ~s on new shapes = shapes x {H200_S_PER_SHAPE} s (issue "
-        "31's H200 figure, an estimate)\n"
+        "micro-batches per window\n"
     )
     print(
         "| arm | shapes after 8 | after 50 | after all | computed / real tokens "
-        "| micro-batches / window | ~s on new shapes |\n|---|---:|---:|---:|---:|---:|---:|"
+        "| micro-batches / window |\n|---|---:|---:|---:|---:|---:|"
     )
     for name, cut in arms():
         r = measure(cut, data)
         print(
             f"| {name} | {r['after8']} | {r['after50']} | {r['total']} | {r['padding']:.2f} "
-            f"| {r['micro']:.1f} | {r['total'] * H200_S_PER_SHAPE:.0f} |",
+            f"| {r['micro']:.1f} |",
             flush=True,
         )
 

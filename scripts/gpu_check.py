@@ -25,6 +25,12 @@ reference (float64, or the hand-written loop where rounding is the point):
          batch
   speed  peak memory (max_memory_allocated) and median seconds per window against the hand
          loop: within 1.02x memory and 1.05x time (``--cpu``: time only, a smoke bound)
+  shapes shape churn (``scripts/gpu_shapes.py``): a ~168M-parameter Llama in bf16, windows of
+         64 rows of 16..2048 tokens; seconds per pass while shapes are new and once seen, for
+         the hand loop (trimmed, x128), ``micro_batch_size=8``, ``sort_rows`` and two token
+         budgets with exact widths and ``pad_to_multiple_of=64``, then per sdpa backend; its
+         table is printed after this one. Passes when every arm ran and the buckets met no
+         more shapes than exact widths (``--cpu``: a tiny model, no timing claim)
 
 Exit status: 0 every row passed or was skipped, 1 some row failed, 2 no CUDA device and no
 ``--cpu``.
@@ -61,6 +67,7 @@ class Row:
     name: str
     status: str  # "pass", "FAIL" or "skip"
     detail: str
+    table: tuple[str, ...] = ()  # printed after the check table (the shapes row's)
 
 
 # -- a model, data, references -----------------------------------------------------------------
@@ -512,6 +519,19 @@ def row_speed(device: torch.device) -> Row:
     )
 
 
+def row_shapes(device: torch.device) -> Row:
+    if importlib.util.find_spec("transformers") is None:
+        return Row("shapes", "skip", "transformers is not installed (pip install fullbatch[hf])")
+    import gpu_shapes  # beside this script
+
+    cpu = device.type != "cuda"
+    arms, by_backend = gpu_shapes.measure(cpu=cpu, windows=1 if cpu else 8, backend_windows=3)
+    ok, detail = gpu_shapes.verdict(arms, cpu)
+    return Row(
+        "shapes", "pass" if ok else "FAIL", detail, tuple(gpu_shapes.table(arms, by_backend))
+    )
+
+
 ROWS: dict[str, Callable[[torch.device], Row]] = {
     "nccl": row_nccl,
     "bf16": row_bf16,
@@ -520,6 +540,7 @@ ROWS: dict[str, Callable[[torch.device], Row]] = {
     "syncs": row_syncs,
     "pack": row_pack,
     "speed": row_speed,
+    "shapes": row_shapes,
 }
 
 
@@ -561,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row.name} | {row.status} | {row.detail} ({time.perf_counter() - start:.1f} s) |",
             flush=True,
         )
+    for row in rows:
+        if row.table:
+            print("\n".join(("", *row.table)))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
