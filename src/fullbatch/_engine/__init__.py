@@ -15,8 +15,9 @@ One job per module, in import order (imports run downwards only, tests/package/t
   ``_loader_checks`` (the loader against the window size); ``_checks`` builds the list;
 - ``_core`` (:class:`Engine`: services, plans, watches, counters and the open window, handed
   to every helper);
-- a window's life: ``_feed`` (the loader's micro-batches), ``_checkpoint`` and
-  ``_resume_check`` (what a state holds and expects), ``_start`` (the window-start exchange),
+- a window's life: ``_feed`` (the loader's micro-batches), ``_checkpoint``,
+  ``_resume_texts`` and ``_resume_check`` (what a state holds and expects, and the refusal
+  every rank raises when it does not fit), ``_start`` (the window-start exchange),
   ``_open`` (opening and ending a window), ``_read`` (the step's one host read), ``_step``
   (the step), ``_run`` and ``_verify_pack`` (``window.run``, the ``pack=True`` checks),
   ``_auto`` (``"auto"`` sizes), ``_coupled`` (``window.run_coupled``), ``_resume``

@@ -223,6 +223,22 @@ class Resume:
         window = state.get("window")
         if window is not None:
             check_grads(self._engine, self._names, window)
+            saved = state.get("reduce_at_step", mine["reduce_at_step"])  # older states: none
+            if saved != mine["reduce_at_step"]:
+                raise ValueError(_reduce_problem(bool(saved)))
+
+
+def _reduce_problem(saved: bool) -> str:
+    """A window saved with gradients summed at the step, resumed with them reduced in the
+    last backward (or the other way round)."""
+    modes = {True: "ddp_sync='step'", False: "ddp_sync='last'"}
+    return (
+        f"this state was taken inside a window with {modes[saved]}, but this Accumulator has "
+        f"{modes[not saved]}: under 'last' the gradients of a window's last backward are "
+        "already all-reduced, under 'step' they are summed at step(), so the saved gradients "
+        "would be reduced twice or never. Resume with the state's ddp_sync (it may change at "
+        "a window boundary, a state taken after window.step())."
+    )
 
 
 def _size_problem(state: dict[str, Any], mine: dict[str, Any]) -> str | None:
