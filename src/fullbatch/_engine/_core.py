@@ -23,11 +23,11 @@ from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
 from fullbatch._engine._micro_plan import MicroBatchPlan
-from fullbatch._engine._mistakes import MistakeChecks
 from fullbatch._engine._precision import GradBuffers
 from fullbatch._engine._prepared import Prepared
 from fullbatch._engine._state import WindowState
 from fullbatch._engine._step_plan import StepPlan
+from fullbatch._engine._watch import Watches
 
 __all__ = ["Engine", "Handle"]
 
@@ -50,10 +50,10 @@ class Engine:
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]
     sync: Sync
-    guard: LoopGuard
+    guard: LoopGuard  # a hand loop's leftovers (its sentinel gradient is one of the watches)
     prepared: Prepared
     window_hooks: WindowHooks
-    mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
+    watches: Watches  # the checks of the user's loop, told each micro-batch (_checks.py)
     grad_buffers: GradBuffers | None  # accumulate_dtype's float32 buffers
     batchnorm: WindowBatchNorm | None  # batchnorm="window"'s statistics
     pack_check: Any  # pack=True with verify_pack: the first window's check (_verify_pack)

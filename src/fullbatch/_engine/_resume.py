@@ -283,12 +283,13 @@ def _size_problem(state: dict[str, Any], mine: dict[str, Any]) -> str | None:
 
 def _public(mode: Any, size: Any) -> str:
     """``micro_batches=4``, ``micro_batch_size=3, sort_rows=True``, ``micro_batch_tokens=64``."""
-    mode = str(mode)
+    mode, _, multiple = str(mode).partition(", pad_to_multiple_of=")
+    pad = f", pad_to_multiple_of={multiple}" if multiple else ""
     if mode == "micro_batches":
         return f"micro_batches={size!r}"
     if mode.startswith("micro_batch_tokens"):
-        return f"micro_batch_tokens={size!r}"
-    return f"micro_batch_size={size!r}" + (", sort_rows=True" if "sort_rows" in mode else "")
+        return f"micro_batch_tokens={size!r}{pad}"
+    return f"micro_batch_size={size!r}" + (", sort_rows=True" if "sort_rows" in mode else "") + pad
 
 
 def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:
