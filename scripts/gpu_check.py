@@ -24,7 +24,7 @@ reference (float64, or the hand-written loop where rounding is the point):
          flash-attn is installed): the packing check passes, the step equals the padded full
          batch
   speed  peak memory (max_memory_allocated) and median seconds per window against the hand
-         loop: within 1.02x memory and 1.05x time (``--cpu``: time only, a smoke bound)
+         loop: within 1.02x memory and 1.05x time (``--cpu``: time only, printed as "info")
   graphs CUDA graphs through ``torch.compile(model, mode="reduce-overhead")`` with
          ``sort_rows`` and ``pad_to_multiple_of=8`` (a graph per bucket): 3 windows equal the
          eager run (1e-4), for fullbatch and for the hand loop on the same micro-batches
@@ -69,7 +69,7 @@ Micro = dict[str, torch.Tensor]
 @dataclass
 class Row:
     name: str
-    status: str  # "pass", "FAIL" or "skip"
+    status: str  # "pass", "FAIL", "skip" or "info" (measured, not judged: --cpu timings)
     detail: str
     table: tuple[str, ...] = ()  # printed after the check table (the shapes row's)
 
@@ -505,11 +505,10 @@ def row_speed(device: torch.device) -> Row:
     acc.close()
     hand_s, ours_s = statistics.median(times["hand"]), statistics.median(times["fullbatch"])
     ratio = ours_s / hand_s
-    if not cuda:
-        ok = ratio < 1.5  # a smoke bound: the CPU is shared and noisy
+    if not cuda:  # measured, not judged: a shared CPU's timings are no check
         return Row(
             "speed",
-            "pass" if ok else "FAIL",
+            "info",
             f"time only: {ours_s * 1e3:.1f} ms vs hand {hand_s * 1e3:.1f} ms ({ratio:.3f}x)",
         )
     memory = peaks["fullbatch"] / peaks["hand"]
