@@ -172,8 +172,7 @@ def test_partial_window_and_off_by_one_boundary() -> None:
     first, _full, tail = probe.report.windows
     assert [w.micro_batches for w in probe.report.windows] == [1, 4, 2]
     assert (
-        first.pattern == "partial window"
-        and "1 micro-batches where others had 4" in first.diagnosis
+        first.pattern == "partial window" and "1 micro-batch where others had 4" in first.diagnosis
     )
     assert first.weights == pytest.approx([0.25], rel=1e-6)
     assert tail.pattern == "partial window" and tail.weights == pytest.approx([0.5, 0.5], rel=1e-2)
@@ -199,7 +198,7 @@ def test_clip_grad_norm_is_compared_before_the_clip() -> None:
 def test_report_text_names_verdict_window_and_fix() -> None:
     report, *_ = _probe_one("mean/K")
     text = str(report)
-    assert text.startswith("fullbatch probe: WRONG (1 of 1 windows wrong, a hand-written loop)")
+    assert text.startswith("fullbatch probe: WRONG (window 1 checked, a hand-written loop)")
     assert "window 1: WRONG -- 4 micro-batches" in text and "weights: 2.25 0.75" in text
     assert not math.isnan(report.windows[0].band)
 

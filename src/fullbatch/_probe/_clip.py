@@ -84,8 +84,12 @@ class ClipObserver:
 
     def take(self, params: set[int]) -> list[Clip]:
         """The clips since the last take that touched any of ``params``."""
+        return [c for c in self.take_all() if c.params & params]
+
+    def take_all(self) -> list[Clip]:
+        """Every clip since the last take."""
         clips, self.clips = self.clips, []
-        return [c for c in clips if c.params & params]
+        return clips
 
 
 def _listed(parameters: Any) -> list[torch.Tensor]:
