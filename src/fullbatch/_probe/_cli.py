@@ -30,7 +30,14 @@ RIGHT, WRONG, USAGE, UNCHECKED = 0, 1, 2, 3
 
 def windows_arg(text: str) -> int | str:
     """argparse type of ``--windows``: a positive integer or ``all``."""
-    return "all" if text == "all" else positive_int(text)
+    if text == "all":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or all, got {text!r} (e.g. --windows 2, --windows all)"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
