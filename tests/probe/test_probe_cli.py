@@ -91,7 +91,9 @@ def test_windows_all_checks_every_window_to_the_script_end(folder: Path) -> None
 
 
 def test_missing_zero_grad_exits_1_at_the_default_windows(folder: Path) -> None:
-    result = _probe(folder, "--objective", "obj.py:loss", "--", "python", "train.py", "no-zero-grad")
+    result = _probe(
+        folder, "--objective", "obj.py:loss", "--", "python", "train.py", "no-zero-grad"
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "window 2 wrong of windows 1-2 checked" in result.stdout
     assert "leftover gradient" in result.stdout
@@ -174,3 +176,14 @@ def test_usage_errors_exit_2_with_one_line(folder: Path, args: list[str], messag
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(lines) == 1 or lines[0].startswith("usage:"), result.stderr
+
+
+def test_help_names_the_windows_and_every_exit_status() -> None:
+    text = subprocess.run(
+        [sys.executable, "-m", "fullbatch", "probe", "--help"], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": _SRC, "COLUMNS": "400"}, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "--windows N|all" in text and "the first 2" in text and "all: every window" in text
+    for line in ("0  every probed window is right", "1  a probed window is wrong", "2  usage",
+                 "3  nothing checked", "exits with its own status", "rank 0"):  # fmt: skip
+        assert line in text, line

@@ -1,7 +1,7 @@
 """Which forwards are micro-batches: a forward run with gradients enabled whose output reaches no
-backward (a validation loss computed without ``torch.no_grad()``) is not part of the window,
-wherever it runs; a training forward skipped between two that reach a backward is still named
-"dropped"; the hooks that see it change nothing.
+backward (a validation loss or a metric computed without ``torch.no_grad()``) is not part of
+the window, wherever it runs; a loop that skips a micro-batch's backward but still counts its
+items is flagged, and the report says a forward reached no backward.
 
 The scripts are written as people write them (a top-level loop over ``(x, y)`` tuples, bf16
 parameters, a validation loss every step) and checked against a plain float64 full batch.
@@ -103,27 +103,48 @@ def test_forwards_that_reach_no_backward_are_counted_in_the_report() -> None:
     assert "2 forwards reached no backward" in str(report)
 
 
-def test_a_skipped_backward_between_micro_batches_is_still_dropped() -> None:
-    """A training forward (train mode) between two micro-batches that reach a backward, whose
-    own backward is skipped, is the window's data dropped: named, not ignored."""
+@pytest.mark.parametrize("where", ["between micro-batches", "last"])
+def test_a_skipped_backward_still_counted_in_the_divisor_is_flagged(where: str) -> None:
+    """A training forward whose backward is skipped is left out of the window like any forward
+    that reaches no backward; a loop that still divides by its items is flagged, and the
+    sentence points at the forward left out."""
     model = _model(torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     window = _rows([2, 3, 4, 1], torch.float64)
+    skipped = 1 if where == "between micro-batches" else 3
     rows = sum(len(y) for _, y in window)
     with fb.probe(objective="sample") as probe:
         for i, (x, y) in enumerate(window):
             loss = F.cross_entropy(model(x), y, reduction="sum") / rows
-            if i != 1:
+            if i != skipped:
                 loss.backward()
-        kept = [r for i, r in enumerate(window) if i != 1]
+        kept = [r for i, r in enumerate(window) if i != skipped]
         share = sum(len(y) for _, y in kept) / rows
-        ref = [r * share for r in _full_batch64(model, kept)]
-        assert _rel([p.grad for p in model.parameters()], ref) < 1e-12  # measured here
+        ref = _full_batch64(model, kept)
+        got = [p.grad for p in model.parameters()]
+        assert _rel(got, [r * share for r in ref]) < 1e-12  # measured here: x share
         opt.step()
     (check,) = probe.report.windows
-    assert check.pattern == "dropped" and "micro-batch 2 ran but contributed nothing" in (
-        check.diagnosis
-    )
+    assert not check.ok and check.micro_batches == 3 and check.no_backward == 1
+    assert check.pattern == "not normalized" and check.factor == pytest.approx(share)
+    assert "1 forward of this window reached no backward" in check.diagnosis
+
+
+def test_a_logging_forward_between_micro_batches_is_no_micro_batch() -> None:
+    """A second forward of each micro-batch for a metric, gradients on, no backward: right."""
+    model = _model(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    window = _rows([2, 3, 4, 1], torch.float64)
+    rows = sum(len(y) for _, y in window)
+    accuracy = []
+    with fb.probe(objective="sample") as probe:
+        for x, y in window:
+            (F.cross_entropy(model(x), y, reduction="sum") / rows).backward()
+            accuracy.append(float((model(x).argmax(-1) == y).float().mean()))  # no no_grad
+        assert _rel([p.grad for p in model.parameters()], _full_batch64(model, window)) < 1e-12
+        opt.step()
+    (check,) = probe.report.windows
+    assert probe.report.ok and check.micro_batches == 4 and check.no_backward == 4, check
 
 
 def test_a_window_whose_forwards_reach_no_backward_has_nothing_to_check() -> None:

@@ -9,11 +9,10 @@ with one, hooks on that module alone. The hooks only read: the inputs are kept b
 **A micro-batch is a call whose output reaches a backward.** Each call's output tensors get a
 pre-hook on their ``grad_fn`` that only notes that autograd ran through it (it returns nothing,
 so no gradient changes; it is removed when the window is checked). :func:`micro_batches` then
-leaves out the calls no backward reached: a validation loss computed without
-``torch.no_grad()`` is not part of the window, before, after or between its micro-batches. One
-exception keeps a mistake visible: a call in training mode that sits between two calls that
-did reach a backward is the window's own data whose backward was skipped, and stays, to be
-named "dropped".
+leaves out the calls no backward reached, wherever they ran: a validation loss or a logging
+forward computed without ``torch.no_grad()`` is not part of the window. A training
+micro-batch whose backward was skipped is left out too; the window's report counts the calls
+left out, and a divisor that still counts their items shows as a factor the judge names.
 """
 
 from __future__ import annotations
@@ -56,14 +55,12 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
 
 class Reach:
     """Whether a backward ran through a call's output: ``yes`` is set by pre-hooks on the
-    ``grad_fn`` of its output tensors (see the module docstring); ``training``: the module's
-    mode when it ran."""
+    ``grad_fn`` of its output tensors (see the module docstring)."""
 
-    __slots__ = ("handles", "training", "yes")
+    __slots__ = ("handles", "yes")
 
-    def __init__(self, training: bool = True) -> None:
+    def __init__(self) -> None:
         self.yes = False
-        self.training = training
         self.handles: list[RemovableHandle] = []
 
     def watch(self, output: Any) -> None:
@@ -99,27 +96,16 @@ def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
 
 
 def micro_batches(calls: list[Call]) -> tuple[list[Call], int]:
-    """The window's micro-batches among ``calls``, and how many calls were left out (their
-    output reached no backward; see the module docstring).
+    """The window's micro-batches among ``calls`` (those whose output reached a backward), and
+    how many calls were left out.
 
-    >>> model = nn.Linear(1, 1)
-    >>> calls = [Call(model, None, (), {}, None, ()) for _ in range(5)]  # type: ignore[arg-type]
-    >>> for call, yes, training in zip(calls, (0, 1, 0, 0, 1), (1, 1, 1, 0, 1)):
-    ...     call.reach.yes, call.reach.training = bool(yes), bool(training)
+    >>> calls = [Call(nn.Linear(1, 1), None, (), {}, None, ()) for _ in range(3)]  # type: ignore
+    >>> calls[0].reach.yes = calls[2].reach.yes = True
     >>> kept, left_out = micro_batches(calls)
     >>> [calls.index(c) for c in kept], left_out
-    ([1, 2, 4], 2)
+    ([0, 2], 1)
     """
-    span: dict[int, tuple[int, int]] = {}  # per module: its first and last call reached
-    for i, call in enumerate(calls):
-        if call.reach.yes:
-            first, _ = span.get(id(call.module), (i, i))
-            span[id(call.module)] = (first, i)
-    kept = []
-    for i, call in enumerate(calls):
-        first, last = span.get(id(call.module), (len(calls), -1))
-        if call.reach.yes or (first < i < last and call.reach.training):
-            kept.append(call)
+    kept = [call for call in calls if call.reach.yes]
     return kept, len(calls) - len(kept)
 
 
@@ -350,7 +336,6 @@ class Capture:
             autocast=frame.autocast,
             micro=_copied(micro),
             targets=targets,
-            reach=Reach(module.training),
         )
         call.reach.watch(output)
         self.calls.append(call)

@@ -171,6 +171,12 @@ def _uniform(m: Measured, c: float, k_max: int) -> tuple[str, str]:
     if partial is not None:
         return "partial window", partial
     text = f"not normalized: every micro-batch weighted {_factor_text(c, max(m.ranks))}"
+    if c < 1 and m.no_backward:
+        n = m.no_backward
+        text += (
+            f"; {n} forward{'s' * (n > 1)} of this window reached no backward: a micro-batch "
+            "whose backward was skipped still counted in the divisor weighs the others down so"
+        )
     if c < 1 and m.clip is None and _round(m.applied_norm):
         text += (
             f"; the applied gradient's norm is {m.applied_norm:.2g}: if that is your max_norm, "

@@ -20,7 +20,8 @@ class WindowCheck:
     objective's gradient for the same micro-batches.
 
     Attributes:
-        step: which optimizer step this window ended (1 for the first seen in the block).
+        step: the window's number (1 for the first in the block; the optimizers stepped together
+            at its end are one window).
         ok: the judge's verdict (``fullbatch._probe._judge``): the error is within
             ``tolerance``, every weight, the factor and the leftover within their precision of
             right, and the ranks agree (never on a zero or missing gradient or a window without
