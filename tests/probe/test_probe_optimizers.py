@@ -112,3 +112,31 @@ def test_two_right_optimizers_are_one_window_each_step(split: str) -> None:
     for check in report.windows:
         assert len(check.optimizers) == 2 and all("right" in line for line in check.optimizers)
         assert check.error < 1e-12
+
+
+def test_an_optimizer_over_part_of_the_model_is_checked_on_its_parameters() -> None:
+    """Fine-tuning the head alone, the body left trainable but in no optimizer: each window
+    is checked on the head's parameters (it closes at the next step, or when the block ends),
+    and a wrong head is still named."""
+    for divisor, right in ((1.0, True), (4.0, False)):
+        torch.manual_seed(0)
+        model = Net().to(F64)
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+        loader = _loader()
+        windows_rows = [loader[i : i + K] for i in range(0, len(loader), K)]
+        errors = []
+        with fb.probe(objective="sample", windows=2) as probe:
+            for i, (x, y) in enumerate(loader):
+                rows = sum(len(t) for _, t in windows_rows[i // K])
+                (F.cross_entropy(model(x), y, reduction="sum") / rows / divisor).backward()
+                if (i + 1) % K == 0:
+                    ref = _full_batch(model, windows_rows[i // K])
+                    grads = [model.head.weight.grad, model.head.bias.grad]
+                    errors.append(_rel(grads, [ref["head.weight"], ref["head.bias"]]))
+                    opt.step()
+                    model.zero_grad()
+        assert (max(errors) < 1e-12) == right
+        assert [w.step for w in probe.report.windows] == [1, 2]
+        assert probe.report.ok == right, str(probe.report)
+        if not right:
+            assert probe.report.windows[0].factor == pytest.approx(0.25, rel=1e-6)
