@@ -50,7 +50,8 @@ One job per module:
 - ``_measured``: what a window's check measured; ``_patterns``: the shapes mistakes leave on
   the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_fixes``: the fix;
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
-- ``_report``: :class:`ProbeReport`, :class:`WindowCheck`;
+- ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
+  measured windows, each judged;
 - ``_cli``: the ``fullbatch probe`` command.
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without

@@ -8,16 +8,21 @@ that step's update is done: torch calls ``optimizer._optimizer_step_code()`` rig
 removes every hook, itself, and calls the method it stood in for. A global forward pre-hook
 does the same at the next forward, in case the step raised before its end; both go together.
 Outside ``step()`` (the block ends, a window closes at a forward) everything goes at once.
+
+:func:`after_closure` is where a step pre-hook checks when ``step`` got a closure (Lightning
+runs the window's last micro-batch, its clipping and its callbacks inside ``step(closure)``):
+right after the closure returns, before the parameters move.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Hooks"]
+__all__ = ["Hooks", "after_closure"]
 
 _AFTER_STEP = "_optimizer_step_code"
 
@@ -64,3 +69,33 @@ class Hooks:
         self._handles.append(module_hooks.register_module_forward_pre_hook(at_forward))
         setattr(optimizer, _AFTER_STEP, after_step)
         self._waiting = optimizer
+
+
+def after_closure(args: Any, kwargs: Any, check: Callable[[], None]) -> Any:
+    """What a step pre-hook returns to run ``check`` now (no closure: returns None) or right
+    after the step's closure first returns (the new ``(args, kwargs)``).
+
+    >>> after_closure((), {}, lambda: print("checked"))
+    checked
+    >>> args, _ = after_closure((lambda: "loss",), {}, lambda: print("checked"))
+    >>> args[0]()
+    checked
+    'loss'
+    """
+    closure = kwargs.get("closure", args[0] if args else None)
+    if not callable(closure):
+        check()
+        return None
+    checked = False
+
+    def closure_then_check() -> Any:
+        nonlocal checked
+        result = closure()
+        if not checked:  # LBFGS calls its closure again: the window is the first call's
+            checked = True
+            check()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_check}
+    return (closure_then_check, *args[1:]), kwargs

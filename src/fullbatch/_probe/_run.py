@@ -18,14 +18,14 @@ from torch.optim import optimizer as optimizer_hooks
 
 from fullbatch._probe._applied import Seen, applied_gradient
 from fullbatch._probe._capture import Capture, micro_batches
-from fullbatch._probe._clip import Clip, ClipObserver
+from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._engines import find_engine
-from fullbatch._probe._hooks import Hooks
-from fullbatch._probe._judge import judge
+from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
-from fullbatch._probe._report import ProbeReport, WindowCheck
+from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
+from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective
 
@@ -115,28 +115,7 @@ class Probe:
     @property
     def report(self) -> ProbeReport:
         """Every window checked so far, and what kept the probe from checking."""
-        k_max = max((len(m.counts) for m in self._measured), default=0)
-        checks = []
-        for m in self._measured:
-            verdict = judge(m, k_max)
-            check = WindowCheck(
-                step=m.step, ok=verdict.ok, error=m.error, band=m.band, tolerance=m.tolerance,
-                micro_batches=len(m.counts), count=m.count, weights=m.fit.weights,
-                leftover=m.fit.leftover, diagnosis=verdict.sentence, pattern=verdict.pattern,
-                engine=m.engine.name, objective=m.objective, ranks=m.ranks, clip=m.clip,
-                precision=m.fit.stderr, factor=m.fit.factor,
-                factor_precision=m.fit.factor_stderr, optimizers=verdict.parts,
-                no_backward=m.no_backward,
-            )  # fmt: skip
-            checks.append(check)
-        problems = list(self._problems)
-        if not checks and not problems:
-            problems.append(
-                "nothing to check: no optimizer step was seen inside the block (the training "
-                "ended before its first step, or its optimizer is not a torch.optim.Optimizer)"
-            )
-        engines = {m.engine.name for m in self._measured}
-        return ProbeReport(tuple(checks), tuple(problems), ", ".join(sorted(engines)), self.limit)
+        return report_of(self._measured, self._problems, self.limit)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -197,23 +176,7 @@ class Probe:
         the closure returns, before the parameters move."""
         if self._done:
             return None
-        closure = kwargs.get("closure", args[0] if args else None)
-        if not callable(closure):
-            self._step(optimizer)
-            return None
-        checked = False
-
-        def closure_then_check() -> Any:
-            nonlocal checked
-            result = closure()
-            if not checked:  # LBFGS calls its closure again: the window is the first call's
-                checked = True
-                self._step(optimizer)
-            return result
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_check}
-        return (closure_then_check, *args[1:]), kwargs
+        return after_closure(args, kwargs, lambda: self._step(optimizer))
 
     # -- windows -----------------------------------------------------------------------------
 
@@ -264,14 +227,14 @@ class Probe:
             window, candidates, sampler_for=self.sampler_for, objective=self.objective,
             ranks=self.ranks, engine=find_engine(),
         )  # fmt: skip
-        self._open.read(optimizer, reader, self._clips_for(params))
+        self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
 
     def _read(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._open is not None
         params = trained(optimizer)
         reader = self._reader(params, params, self._open.window, optimizer)
         if reader is not None:
-            self._open.read(optimizer, reader, self._clips_for(params))
+            self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
 
     def _reader(
         self, params: list[nn.Parameter], seen: list[nn.Parameter], window: WindowData,
@@ -291,15 +254,6 @@ class Probe:
         self._open = None
         self._finish(optimizer)
         return None
-
-    def _clips_for(self, params: list[nn.Parameter]) -> list[Clip]:
-        """The clips since the last read, and a clip the stepping engine published itself."""
-        clips = self._clips.take_all()
-        engine = find_engine()
-        if engine.clip is not None:  # clipped by the engine's own multiply: as it published
-            max_norm, total, coef = engine.clip
-            clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
-        return clips
 
     def _close(self, optimizer: torch.optim.Optimizer | None = None, *, stopping: bool = True):
         """Measure the open window; after the last probed one, finish (and stop the run when
