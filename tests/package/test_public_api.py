@@ -140,13 +140,14 @@ def test_mode_strings_are_literal_types() -> None:
 
 
 def test_probe_signature() -> None:
-    """DESIGN.md part 4: fb.probe(model=None, optimizer=None, *, objective, windows, ranks)."""
+    """DESIGN.md parts 4-5: fb.probe(model=None, optimizer=None, *, objective, windows, ranks);
+    windows=None checks the first two windows (part 5)."""
     sig = inspect.signature(fb.probe)
     assert list(sig.parameters) == ["model", "optimizer", "objective", "windows", "ranks"]
     kinds = [p.kind for p in sig.parameters.values()]
     assert kinds[2:] == [inspect.Parameter.KEYWORD_ONLY] * 3
     defaults = {n: p.default for n, p in sig.parameters.items()}
-    assert defaults == {"model": None, "optimizer": None, "objective": None, "windows": 1,
+    assert defaults == {"model": None, "optimizer": None, "objective": None, "windows": None,
                         "ranks": None}  # fmt: skip
 
 

@@ -79,30 +79,70 @@ def test_buffers_rng_grads_and_optimizer_state_untouched_at_the_step() -> None:
     assert torch.equal(rng, seen["rng"]) and state == seen["state"]
 
 
-def _ours() -> dict[str, int]:
-    return {
-        "forward_pre": len(module_hooks._global_forward_pre_hooks),
-        "forward": len(module_hooks._global_forward_hooks),
-        "step_pre": len(optimizer_hooks._global_optimizer_pre_hooks),
-    }
+def _hooks(*optimizers: torch.optim.Optimizer) -> dict[str, object]:
+    """Every global hook dictionary of torch's modules and optimizers (their keys), each
+    optimizer's own hook dictionaries and attributes, and the clip functions the probe wraps."""
+    out: dict[str, object] = {}
+    for owner in (module_hooks, optimizer_hooks):
+        for name, value in vars(owner).items():
+            if name.startswith("_global_") and isinstance(value, dict):
+                out[f"{owner.__name__}.{name}"] = list(value)
+    for i, opt in enumerate(optimizers):
+        out[f"optimizer {i} pre"] = list(opt._optimizer_step_pre_hooks)
+        out[f"optimizer {i} post"] = list(opt._optimizer_step_post_hooks)
+        out[f"optimizer {i} attributes"] = sorted(vars(opt))
+    out["clip"] = torch.nn.utils.clip_grad._clip_grads_with_norm_
+    out["clip_value"] = torch.nn.utils.clip_grad_value_
+    return out
 
 
-def test_hooks_are_gone_after_the_probed_windows() -> None:
-    before = _ours()
-    clip = torch.nn.utils.clip_grad._clip_grads_with_norm_  # what clip_grad_norm_ calls
+def _ours() -> dict[str, object]:
+    """Torch's global hook dictionaries alone."""
+    return {k: v for k, v in _hooks().items() if not k.startswith("clip")}
+
+
+@pytest.mark.parametrize("windows", [1, None])
+def test_hooks_are_gone_right_after_the_last_probed_window(windows: int | None) -> None:
+    """Right after the ``step()`` that ends the last probed window (before any other forward)
+    every hook is gone, while training goes on; and still at the block's end."""
     model = make_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with fb.probe(objective=objective, windows=1) as probe:
-        assert _ours() != before and torch.nn.utils.clip_grad._clip_grads_with_norm_ is not clip
-        for i, window in enumerate(WINDOWS[:3]):
+    before = _hooks(opt)
+    last = 1 if windows == 1 else 2
+    with fb.probe(objective=objective, windows=windows) as probe:
+        assert _hooks(opt) != before
+        for i, window in enumerate(WINDOWS):
             for micro in window:
                 fb.cross_entropy_sum(model(micro), micro["labels"])[0].backward()
             opt.step()
+            assert (_hooks(opt) == before) == (i + 1 >= last), i  # gone right after `last`
             opt.zero_grad()
-            if i >= 1:  # the first forward after the probed window took the last hook away
-                assert _ours() == before and torch.nn.utils.clip_grad._clip_grads_with_norm_ is clip
-    assert _ours() == before
-    assert len(probe.report.windows) == 1
+    assert _hooks(opt) == before
+    assert len(probe.report.windows) == last
+
+
+def test_hooks_are_gone_after_both_optimizers_of_the_last_window() -> None:
+    """Two optimizers end each window: the hooks stay through the first one's step (the
+    window is not over) and are gone right after the second's."""
+    model = make_net()
+    first = torch.optim.SGD(model.inp.parameters(), lr=0.1)
+    second = torch.optim.Adam(model.out.parameters(), lr=1e-3)
+    before = _hooks(first, second)
+    with fb.probe(objective=objective, windows=1) as probe:
+        for window in WINDOWS[:2]:
+            total = sum(int((m["labels"] != -100).sum()) for m in window)
+            for micro in window:
+                (fb.cross_entropy_sum(model(micro), micro["labels"])[0] / total).backward()
+            first.step()
+            if len(probe.report.windows) == 0:
+                assert _hooks(first, second) != before  # the window waits for `second`
+            second.step()
+            assert _hooks(first, second) == before
+            first.zero_grad()
+            second.zero_grad()
+    assert _hooks(first, second) == before
+    (check,) = probe.report.windows
+    assert check.ok and len(check.optimizers) == 2, str(probe.report)
 
 
 def test_hooks_are_gone_when_the_block_raises() -> None:

@@ -1,6 +1,7 @@
 """``fullbatch probe -- python train.py ARGS``: real subprocesses on tiny scripts, their exit
-codes (0 right, 1 wrong or nothing checked, 2 usage error with one line and no traceback), the
-script's own ``sys.argv`` and ``__main__``, and stopping after the probed windows."""
+codes (0 right, 1 wrong, 2 usage error with one line and no traceback, 3 nothing checked, the
+script's own status when it fails after right windows), the script's own ``sys.argv`` and
+``__main__``, the windows checked (2 by default, ``--windows all``), and stopping after them."""
 
 from __future__ import annotations
 
@@ -25,19 +26,24 @@ mode = sys.argv[1]  # the script's own arguments, as python would give them
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-data = [{"x": torch.randn(n, 4), "labels": torch.randint(3, (n,))} for n in (1, 3, 2, 5)] * 2
-for i, batch in enumerate(data):
+data = [{"x": torch.randn(n, 4), "labels": torch.randint(3, (n,))} for n in (1, 3, 2, 5)] * 3
+for i, batch in enumerate(data):  # 3 windows of 4 micro-batches, 11 rows each
     logits = model(batch["x"])
-    if mode == "right":
-        loss = F.cross_entropy(logits, batch["labels"], reduction="sum") / 11
-    else:  # each micro-batch's mean over 4
+    if mode == "wrong":  # each micro-batch's mean over 4
         loss = F.cross_entropy(logits, batch["labels"]) / 4
+    else:
+        loss = F.cross_entropy(logits, batch["labels"], reduction="sum") / 11
     loss.backward()
     if (i + 1) % 4 == 0 and mode != "never-steps":
         opt.step()
-        opt.zero_grad()
+        if mode != "no-zero-grad":
+            opt.zero_grad()
     if mode == "raises" and i == 1:
         raise KeyError("the script's own bug")
+    if mode == "raises-late" and i == 9:
+        raise KeyError("a late bug")
+    if mode == "exits-late" and i == 9:
+        sys.exit(5)
 print("script finished")
 """
 
@@ -67,11 +73,30 @@ def _probe(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_right_script_exits_0_and_is_stopped_after_the_window(folder: Path) -> None:
+def test_right_script_exits_0_and_is_stopped_after_the_default_two_windows(folder: Path) -> None:
     result = _probe(folder, "--objective", "obj.py:loss", "--", "python", "train.py", "right")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("fullbatch probe: RIGHT (1 window checked")
-    assert "script finished" not in result.stdout  # stopped once the window was checked
+    assert result.stdout.startswith("fullbatch probe: RIGHT (windows 1-2 checked")
+    assert "script finished" not in result.stdout  # stopped once the windows were checked
+
+
+def test_windows_all_checks_every_window_to_the_script_end(folder: Path) -> None:
+    result = _probe(
+        folder, "--objective", "obj.py:loss", "--windows", "all", "--", "python", "train.py",
+        "right",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fullbatch probe: RIGHT (windows 1-3 checked" in result.stdout
+    assert result.stdout.startswith("script finished")  # every window: the script ran to its end
+
+
+def test_missing_zero_grad_exits_1_at_the_default_windows(folder: Path) -> None:
+    result = _probe(
+        folder, "--objective", "obj.py:loss", "--", "python", "train.py", "no-zero-grad"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "window 2 wrong of windows 1-2 checked" in result.stdout
+    assert "leftover gradient" in result.stdout
 
 
 def test_wrong_script_exits_1_with_the_diagnosis_and_keeps_training(folder: Path) -> None:
@@ -80,7 +105,7 @@ def test_wrong_script_exits_1_with_the_diagnosis_and_keeps_training(folder: Path
         "--", "python", "train.py", "wrong",
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "WRONG (2 of 2 windows wrong" in result.stdout
+    assert "WRONG (windows 1-2 wrong of windows 1-2 checked" in result.stdout
     assert "mean of per-micro-batch means" in result.stdout
     assert "script finished" in result.stdout  # --keep-training ran it to its end
 
@@ -92,17 +117,44 @@ def test_python_dash_m_runs_a_module(folder: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_script_that_never_steps_exits_1(folder: Path) -> None:
+def test_script_that_never_steps_exits_3(folder: Path) -> None:
     result = _probe(folder, "--objective", "obj.py:loss", "--", "python", "train.py", "never-steps")
-    assert result.returncode == 1
+    assert result.returncode == 3, result.stdout + result.stderr
     assert "NOTHING CHECKED" in result.stdout and "no optimizer step was seen" in result.stdout
 
 
-def test_script_that_raises_shows_its_traceback_and_exits_1(folder: Path) -> None:
+def test_script_that_raises_before_a_window_shows_its_traceback_and_exits_3(folder: Path) -> None:
     result = _probe(folder, "--objective", "obj.py:loss", "--", "python", "train.py", "raises")
-    assert result.returncode == 1
+    assert result.returncode == 3, result.stdout + result.stderr
     assert 'KeyError: "the script\'s own bug"' in result.stderr
     assert "NOTHING CHECKED" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "shown"),
+    [("raises-late", 1, "KeyError: 'a late bug'"), ("exits-late", 5, "")],
+)
+def test_keep_training_exits_with_the_scripts_later_failure(
+    folder: Path, mode: str, status: int, shown: str
+) -> None:
+    """Right windows, then the script fails: not 0, but the script's own status."""
+    result = _probe(
+        folder, "--objective", "obj.py:loss", "--windows", "1", "--keep-training",
+        "--", "python", "train.py", mode,
+    )  # fmt: skip
+    assert result.returncode == status, result.stdout + result.stderr
+    assert result.stdout.startswith("fullbatch probe: RIGHT (window 1 checked")
+    assert shown in result.stderr and "script finished" not in result.stdout
+    assert f"the script failed (exit status {status})" in result.stdout
+
+
+def test_the_same_failure_without_keep_training_is_never_reached(folder: Path) -> None:
+    result = _probe(
+        folder, "--objective", "obj.py:loss", "--windows", "1", "--", "python", "train.py",
+        "raises-late",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "a late bug" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -110,6 +162,7 @@ def test_script_that_raises_shows_its_traceback_and_exits_1(folder: Path) -> Non
     [
         (["--", "python", "missing.py"], "no such script: missing.py"),
         (["--windows", "0", "--", "python", "train.py"], "expected a positive integer"),
+        (["--windows", "every", "--", "python", "train.py"], "a positive integer or all"),
         (["--objective", "obj.py:nope", "--", "python", "train.py"], "has no attribute 'nope'"),
         (["--objective", "mean", "--", "python", "train.py"], "expected one of causal_lm"),
         ([], "no training command"),
@@ -123,3 +176,14 @@ def test_usage_errors_exit_2_with_one_line(folder: Path, args: list[str], messag
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(lines) == 1 or lines[0].startswith("usage:"), result.stderr
+
+
+def test_help_names_the_windows_and_every_exit_status() -> None:
+    text = subprocess.run(
+        [sys.executable, "-m", "fullbatch", "probe", "--help"], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": _SRC, "COLUMNS": "400"}, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "--windows N|all" in text and "the first 2" in text and "all: every window" in text
+    for line in ("0  every probed window is right", "1  a probed window is wrong", "2  usage",
+                 "3  nothing checked", "exits with its own status", "rank 0"):  # fmt: skip
+        assert line in text, line

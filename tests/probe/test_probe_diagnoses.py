@@ -85,14 +85,34 @@ def test_not_normalized(how: str, factor: float, words: str) -> None:
     assert rel_error(got, ref) == pytest.approx(abs(factor - 1), rel=1e-6)
 
 
-def test_dropped_names_the_micro_batch() -> None:
-    report, got, ref, _ = _probe_one("drop 2")
+def test_a_skipped_backward_is_left_out_and_its_count_named() -> None:
+    """Micro-batch 3's backward is skipped: it is no micro-batch of the window (its forward
+    reached no backward); the others are divided by a count that includes its items."""
+    report, got, ref, window = _probe_one("drop 2")
     (check,) = report.windows
-    assert check.pattern == "dropped"
-    assert "micro-batch 3 ran but contributed nothing" in check.diagnosis
-    assert check.weights[2] == pytest.approx(0.0, abs=1e-6)
-    assert [check.weights[i] for i in (0, 1, 3)] == pytest.approx([1.0] * 3, rel=1e-6)
-    assert check.error == pytest.approx(rel_error(got, ref), rel=1e-9)
+    n = [counted(m) for m in window]
+    share = (sum(n) - n[2]) / sum(n)
+    assert check.pattern == "not normalized" and check.micro_batches == 3
+    assert check.weights == pytest.approx([share] * 3, rel=1e-6)
+    assert "1 forward of this window reached no backward" in check.diagnosis
+    assert check.no_backward == 1 and rel_error(got, ref) > 0.1
+
+
+def test_zero_grad_inside_the_window_drops_the_micro_batches_before_it() -> None:
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    window = micro_batches(SIZES)
+    total = sum(counted(m) for m in window)
+    with fb.probe(objective=objective) as probe:
+        for i, micro in enumerate(window):
+            (fb.cross_entropy_sum(model(micro), micro["labels"])[0] / total).backward()
+            if i == 1:
+                opt.zero_grad()  # wipes micro-batches 1 and 2
+        opt.step()
+    (check,) = probe.report.windows
+    assert check.pattern == "dropped", check.diagnosis
+    assert "micro-batch 1, micro-batch 2 ran but contributed nothing" in check.diagnosis
+    assert check.weights == pytest.approx([0.0, 0.0, 1.0, 1.0], abs=1e-6)
 
 
 def test_counted_twice_names_the_micro_batch() -> None:
@@ -172,8 +192,7 @@ def test_partial_window_and_off_by_one_boundary() -> None:
     first, _full, tail = probe.report.windows
     assert [w.micro_batches for w in probe.report.windows] == [1, 4, 2]
     assert (
-        first.pattern == "partial window"
-        and "1 micro-batches where others had 4" in first.diagnosis
+        first.pattern == "partial window" and "1 micro-batch where others had 4" in first.diagnosis
     )
     assert first.weights == pytest.approx([0.25], rel=1e-6)
     assert tail.pattern == "partial window" and tail.weights == pytest.approx([0.5, 0.5], rel=1e-2)
@@ -199,7 +218,7 @@ def test_clip_grad_norm_is_compared_before_the_clip() -> None:
 def test_report_text_names_verdict_window_and_fix() -> None:
     report, *_ = _probe_one("mean/K")
     text = str(report)
-    assert text.startswith("fullbatch probe: WRONG (1 of 1 windows wrong, a hand-written loop)")
+    assert text.startswith("fullbatch probe: WRONG (window 1 checked, a hand-written loop)")
     assert "window 1: WRONG -- 4 micro-batches" in text and "weights: 2.25 0.75" in text
     assert not math.isnan(report.windows[0].band)
 

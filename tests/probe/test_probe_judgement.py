@@ -246,8 +246,27 @@ def test_off_by_one_first_window_is_a_partial_window_at_the_default_windows() ->
                 seen.append([p.grad.detach().clone() for p in model.parameters()])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    (check,) = probe.report.windows
+    check, second = probe.report.windows  # the first two, by default
     assert rel(seen[0], [r / 4 for r in ref]) < 1e-6 and check.error == pytest.approx(0.75)
     assert not check.ok and check.pattern == "partial window", check.diagnosis
-    assert "1 micro-batch and is weighted 0.25 = 1/4, as if it held 4" in check.diagnosis
+    assert "1 micro-batch where others had 4" in check.diagnosis
+    assert "weighted 0.25 = 1/4" in check.diagnosis
     assert "(batch_idx + 1) % K == 0" in check.diagnosis
+    assert second.ok and second.micro_batches == 4, second.diagnosis
+
+
+def test_off_by_one_alone_is_a_partial_window() -> None:
+    """The same window checked alone (``windows=1``): no other window to compare with, its
+    1/K weight still names it."""
+    model = mlp(5, torch.float32)
+    data = rows([3] * 8, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.probe(objective=objective, windows=1) as probe:
+        for batch_idx, micro in enumerate(data):
+            (F.cross_entropy(model(micro["x"]), micro["y"]) / 4).backward()
+            if batch_idx % 4 == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    (check,) = probe.report.windows
+    assert not check.ok and check.pattern == "partial window", check.diagnosis
+    assert "1 micro-batch and is weighted 0.25 = 1/4, as if it held 4" in check.diagnosis

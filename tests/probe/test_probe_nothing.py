@@ -67,12 +67,27 @@ def test_forward_without_gradients_is_no_micro_batch() -> None:
     assert probe.report.windows[0].pattern == "nothing to check" and not probe.report.ok
 
 
-def test_missing_gradient() -> None:
+def test_forwards_without_a_backward() -> None:
+    """Forwards whose output reaches no backward are no micro-batches: nothing to check."""
     model = make_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with fb.probe(objective=objective) as probe:
         for micro in WINDOW:
             model(micro)  # forward, no backward
+        opt.step()
+    (check,) = probe.report.windows
+    assert not check.ok and check.pattern == "nothing to check"
+    assert "2 forwards ran with gradients but reached no backward" in check.diagnosis
+
+
+def test_missing_gradient() -> None:
+    """Micro-batches that reached a backward, and no gradient left at the step."""
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fb.probe(objective=objective) as probe:
+        for micro in WINDOW:
+            fb.cross_entropy_sum(model(micro), micro["labels"])[0].backward()
+        opt.zero_grad(set_to_none=True)  # cleared before the step
         opt.step()
     (check,) = probe.report.windows
     assert (

@@ -74,7 +74,7 @@ def _rel(a: dict, b: dict) -> float:
 
 def test_stock_sft_trainer_on_gemma4_is_flagged() -> None:
     run = _train(exact=False)
-    (check,) = run["report"].windows
+    check = run["report"].windows[0]  # the first of the windows checked
     ref = _reference(run["start"], run["rows"])
     assert not run["report"].ok and check.engine == "trl.SFTTrainer"
     assert check.pattern == "mean of per-micro-batch means"
@@ -87,7 +87,7 @@ def test_stock_sft_trainer_on_gemma4_is_flagged() -> None:
 def test_exact_sft_trainer_passes() -> None:
     run = _train(exact=True)
     assert run["report"].ok, str(run["report"])
-    (check,) = run["report"].windows
+    check = run["report"].windows[0]  # the first of the windows checked
     assert check.engine == "fullbatch.trl.ExactSFTTrainer" and check.micro_batches == K
     # TRL's fused LM head computes its log-probabilities in float32 tiles: on this float64 model
     # the trainer is exact up to float32 rounding; the probe replays that head as the trainer

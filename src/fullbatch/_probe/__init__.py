@@ -22,15 +22,20 @@ home:
   band's tolerance, and every fitted weight and factor against its own measured precision),
   so the verdict and the diagnosis cannot disagree.
 
-A window is what the optimizers stepped between two micro-batches apply: ``_window.WindowData``
-holds every stepped optimizer, and its parameters are checked together. Who stepped is read
+A window is what the optimizers stepped between two micro-batches apply: it opens at the first
+optimizer's ``step()`` (the reference, before any parameter moves), every optimizer stepped
+before the next micro-batch joins it and is read at its own ``step()`` (``_window.OpenWindow``),
+and each optimizer's parameters are judged on their own as well as together. A micro-batch is
+a forward whose output reaches a backward (``_capture.micro_batches``). Who stepped is read
 from declarations (``_engines``: fullbatch's routes set ``fullbatch_route``; the Accumulator
 publishes its clip), never from class names or another module's local variables.
 
 One job per module:
 
 - ``_run``: :func:`probe` and its context manager (hooks in, windows checked, hooks out);
-- ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state);
+- ``_hooks``: the probe's optimizer hooks, all removed right after the last probed step;
+- ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state),
+  and which forwards reached a backward;
 - ``_frames``: the engine's micro-batch and labels around a forward, in the loop's frames;
 - ``_engines``: who stepped the optimizer (declared routes, foreign engines by package);
 - ``_call_loss``: the declared objective's ``(loss_sum, count)`` per recorded call;
@@ -39,12 +44,14 @@ One job per module:
 - ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
   the ``.grad`` reader;
 - ``_sample``: the gradient coordinates the weight fit looks at;
-- ``_window``: one window at ``step()``: reference against applied gradient over every rank;
+- ``_window``: one window from its first optimizer's ``step()``: the reference, each
+  optimizer's applied gradient against it; ``_measure``: the window closed over every rank;
 - ``_fit``: each micro-batch's weight, the factor, the leftover, and their precisions;
 - ``_measured``: what a window's check measured; ``_patterns``: the shapes mistakes leave on
   the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_fixes``: the fix;
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
-- ``_report``: :class:`ProbeReport`, :class:`WindowCheck`;
+- ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
+  measured windows, each judged;
 - ``_cli``: the ``fullbatch probe`` command.
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without

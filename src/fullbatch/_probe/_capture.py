@@ -5,6 +5,14 @@ Lightning/Fabric wrappers are looked through: the module inside them is what ran
 wrapper is kept for its process group). With no model given, global forward hooks find it;
 with one, hooks on that module alone. The hooks only read: the inputs are kept by reference
 (containers copied), the RNG state is copied, nothing is written to the model.
+
+**A micro-batch is a call whose output reaches a backward.** Each call's output tensors get a
+pre-hook on their ``grad_fn`` that only notes that autograd ran through it (it returns nothing,
+so no gradient changes; it is removed when the window is checked). :func:`micro_batches` then
+leaves out the calls no backward reached, wherever they ran: a validation loss or a logging
+forward computed without ``torch.no_grad()`` is not part of the window. A training
+micro-batch whose backward was skipped is left out too; the window's report counts the calls
+left out, and a divisor that still counts their items shows as a factor the judge names.
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
 from fullbatch._probe._frames import find_labels, find_micro
 
-__all__ = ["Call", "Capture", "autocast_state"]
+__all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
 
 #: Wrappers whose forward only hands the inputs to the module inside them.
 _TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+#: Output tensors watched per call at most (a model's outputs may hold its whole KV cache).
+_MAX_WATCHED = 64
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -41,6 +51,62 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
         for device in _AUTOCAST_DEVICES
         if torch.is_autocast_enabled(device)
     )
+
+
+class Reach:
+    """Whether a backward ran through a call's output: ``yes`` is set by pre-hooks on the
+    ``grad_fn`` of its output tensors (see the module docstring)."""
+
+    __slots__ = ("handles", "yes")
+
+    def __init__(self) -> None:
+        self.yes = False
+        self.handles: list[RemovableHandle] = []
+
+    def watch(self, output: Any) -> None:
+        """Hook the ``grad_fn`` of the tensors in ``output`` (nested containers, once each)."""
+        nodes: dict[int, Any] = {}
+        for tensor in _tensors(output, 3):
+            node = tensor.grad_fn
+            if node is not None and id(node) not in nodes:
+                nodes[id(node)] = node
+                if len(nodes) >= _MAX_WATCHED:
+                    break
+        self.handles = [node.register_prehook(self._reached) for node in nodes.values()]
+
+    def _reached(self, grad_outputs: Any) -> None:
+        self.yes = True  # returns None: the gradient flows on unchanged
+
+    def release(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _tensors(value: Any, depth: int) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if depth == 0:
+        return []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v, depth - 1)]
+    return []
+
+
+def micro_batches(calls: list[Call]) -> tuple[list[Call], int]:
+    """The window's micro-batches among ``calls`` (those whose output reached a backward), and
+    how many calls were left out.
+
+    >>> calls = [Call(nn.Linear(1, 1), None, (), {}, None, ()) for _ in range(3)]  # type: ignore
+    >>> calls[0].reach.yes = calls[2].reach.yes = True
+    >>> kept, left_out = micro_batches(calls)
+    >>> [calls.index(c) for c in kept], left_out
+    ([0, 2], 1)
+    """
+    kept = [call for call in calls if call.reach.yes]
+    return kept, len(calls) - len(kept)
 
 
 @dataclass
@@ -59,6 +125,7 @@ class Call:
         targets: a ``labels``/``targets`` tensor found beside the model's input where the
             engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
             the built-in objectives use it when neither the call nor ``micro`` has labels.
+        reach: whether a backward ran through the call's output (see :func:`micro_batches`).
     """
 
     module: nn.Module
@@ -69,6 +136,7 @@ class Call:
     autocast: tuple[tuple[str, torch.dtype], ...]
     micro: Any = None
     targets: torch.Tensor | None = None
+    reach: Reach = field(default_factory=Reach)
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
         """``(labels, already shifted)`` from the model's inputs (keywords, or a mapping passed
@@ -154,10 +222,10 @@ class _Frame:
 class Capture:
     """Forward hooks that append a :class:`Call` per root forward to ``calls``.
 
-    ``on_first(module, wrappers)`` runs at the first call of a window (before it is recorded),
-    so the gradients present before the window's first backward can be looked at. ``outer``
-    holds every outermost module that ran with gradients since the last :meth:`take` (the
-    wrappers and the modules inside them), for the window's gradient reader.
+    ``on_first(module, wrappers)`` runs at each module's first call of a window (before it is
+    recorded), so the gradients present before the window's first backward can be looked at.
+    ``outer`` holds every outermost module that ran with gradients since the last :meth:`take`
+    (the wrappers and the modules inside them), for the window's gradient reader.
     """
 
     model: nn.Module | None
@@ -167,6 +235,7 @@ class Capture:
     paused: bool = False
     _stack: list[_Frame] = field(default_factory=list)
     _handles: list[RemovableHandle] = field(default_factory=list)
+    _firsts: set[int] = field(default_factory=set)  # modules that ran since the last take
     _wrapper: nn.Module | None = None  # an explicit model's DDP wrapper
 
     def start(self) -> None:
@@ -198,14 +267,26 @@ class Capture:
     def stop(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self.model is None:  # torch's handle leaves this entry behind (torch 2.6 to 2.13)
+            for handle in self._handles:
+                module_hooks._global_forward_hooks_with_kwargs.pop(handle.id, None)
         self._handles = []
         self._stack.clear()
+        for call in self.calls:
+            call.reach.release()
+
+    def reached(self) -> bool:
+        """Whether a call recorded since the last :meth:`take` has reached a backward."""
+        return any(call.reach.yes for call in self.calls)
 
     def take(self) -> tuple[list[Call], tuple[nn.Module, ...]]:
-        """The calls of the window that ends now and the outer modules seen; the next window
-        starts empty."""
+        """The calls of the window that ends now (their backward watch removed) and the outer
+        modules seen; the next window starts empty."""
         calls, self.calls = self.calls, []
         outer, self.outer = tuple(self.outer.values()), {}
+        self._firsts = set()
+        for call in calls:
+            call.reach.release()
         return calls, outer
 
     def _pre(self, module: nn.Module, args: Any) -> None:
@@ -223,7 +304,8 @@ class Capture:
         if not torch.is_grad_enabled():
             self._stack.append(_Frame("inner", module))
             return
-        if not self.calls:
+        if id(module) not in self._firsts:
+            self._firsts.add(id(module))
             self.on_first(module, tuple(f.module for f in self._stack))
         self._stack.append(_Frame("root", module, RngState(), autocast_state()))
 
@@ -233,7 +315,7 @@ class Capture:
         frame = self._stack.pop()
         if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised
             return
-        kwargs, _ = rest
+        kwargs, output = rest
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)
@@ -245,15 +327,15 @@ class Capture:
         )
         inputs = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
         targets = None if found or not inputs else find_labels(inputs)
-        self.calls.append(
-            Call(
-                module=module,
-                wrapper=wrapper,
-                args=tuple(_copied(a) for a in args),
-                kwargs=dict(kwargs),
-                rng=frame.rng,
-                autocast=frame.autocast,
-                micro=_copied(micro),
-                targets=targets,
-            )
+        call = Call(
+            module=module,
+            wrapper=wrapper,
+            args=tuple(_copied(a) for a in args),
+            kwargs=dict(kwargs),
+            rng=frame.rng,
+            autocast=frame.autocast,
+            micro=_copied(micro),
+            targets=targets,
         )
+        call.reach.watch(output)
+        self.calls.append(call)

@@ -1,12 +1,14 @@
 """``fullbatch probe``: run a training script unchanged under :func:`fullbatch.probe`.
 
-``fullbatch probe [--objective X] [--windows N] [--keep-training] -- python train.py ARGS...``
-runs ``train.py`` in this interpreter (as ``python train.py ARGS...`` would: ``__name__`` is
-``"__main__"``, ``sys.argv`` is ``["train.py", *ARGS]``, the script's folder first on
-``sys.path``; ``python -m package.module`` works too), stops it once the probed windows are
-checked (unless ``--keep-training``), prints the report and exits 0 when every probed window is
-right, 1 when one is not or nothing was checked, 2 on a usage error (one line on stderr naming
-the problem and the fix, no traceback).
+``fullbatch probe [--objective X] [--windows N|all] [--keep-training] -- python train.py
+ARGS...`` runs ``train.py`` in this interpreter (as ``python train.py ARGS...`` would:
+``__name__`` is ``"__main__"``, ``sys.argv`` is ``["train.py", *ARGS]``, the script's folder
+first on ``sys.path``; ``python -m package.module`` works too), checks the first two windows
+(``--windows``), stops it once they are checked (unless ``--keep-training``) and prints the
+report. Exit status (:func:`exit_status`): 0 every probed window right, 1 one is wrong, 2 a
+usage error (one line on stderr naming the problem and the fix, no traceback), 3 nothing
+checked; a script that fails after right windows exits with its own status. Under
+``torchrun`` every rank runs the probe and reaches the same verdict; rank 0 alone prints it.
 
 Heavy imports (torch) happen inside :func:`run`, so ``fullbatch --help`` stays fast.
 """
@@ -20,7 +22,22 @@ from typing import Any
 
 from fullbatch._verify._cli import positive_int
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["RIGHT", "UNCHECKED", "USAGE", "WRONG", "add_arguments", "exit_status", "run"]
+
+#: Exit statuses of ``fullbatch probe``.
+RIGHT, WRONG, USAGE, UNCHECKED = 0, 1, 2, 3
+
+
+def windows_arg(text: str) -> int | str:
+    """argparse type of ``--windows``: a positive integer or ``all``."""
+    if text == "all":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or all, got {text!r} (e.g. --windows 2, --windows all)"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,13 +45,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     >>> parser = argparse.ArgumentParser()
     >>> add_arguments(parser)
-    >>> args = parser.parse_args(["--windows", "2", "--", "python", "train.py", "--lr", "1"])
+    >>> args = parser.parse_args(["--windows", "3", "--", "python", "train.py", "--lr", "1"])
     >>> args.windows, args.training_command
-    (2, ['--', 'python', 'train.py', '--lr', '1'])
+    (3, ['--', 'python', 'train.py', '--lr', '1'])
+    >>> parser.parse_args(["--windows", "all"]).windows, parser.parse_args([]).windows
+    ('all', None)
     """
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
-        "exit status: 0 every probed window is right; 1 a window is wrong, or nothing was "
-        "checked; 2 usage error. Example: fullbatch probe -- python train.py --lr 3e-4"
+        "exit status:\n"
+        "  0  every probed window is right\n"
+        "  1  a probed window is wrong (the report names the mistake and the fix)\n"
+        "  2  usage error: a bad option, a missing script, an objective that cannot be "
+        "inferred\n"
+        "  3  nothing checked: no optimizer step, no micro-batch, or the script failed before\n"
+        "     a window ended\n"
+        "  a script that fails after right windows (--keep-training) exits with its own status\n"
+        "\n"
+        "Under torchrun every rank runs the probe and exits with the same status; rank 0\n"
+        "prints the report.\n"
+        "\n"
+        "examples:\n"
+        "  fullbatch probe -- python train.py --lr 3e-4\n"
+        "  fullbatch probe --objective causal_lm --windows all -- python -m mypackage.train\n"
+        "  torchrun --nproc-per-node 2 -m fullbatch probe -- python train.py"
     )
     parser.add_argument(
         "--objective",
@@ -47,15 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--windows",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="optimizer steps to check (default: 1)",
+        type=windows_arg,
+        default=None,
+        metavar="N|all",
+        help="windows to check (a window: what the optimizers apply at one step, however many "
+        "step together); default: the first 2 (a gradient left over by a missing zero_grad() "
+        "shows only in the second); all: every window until the script ends",
     )
     parser.add_argument(
         "--keep-training",
         action="store_true",
-        help="let the script run to its end after the probed windows (default: stop it)",
+        help="let the script run to its end after the probed windows (default: stop it); a "
+        "script that then fails exits with its own status",
     )
     parser.add_argument(
         "training_command",
@@ -69,9 +106,53 @@ class UsageError(Exception):
     """A bad command line: one line on stderr, exit 2."""
 
 
+def _rank() -> int:
+    """This process's rank: the default process group's when the script set one up, else
+    torchrun's ``RANK`` (0 outside torchrun); torch is not imported for it."""
+    if "torch" in sys.modules:
+        from fullbatch._base._sync._probe import default_rank
+
+        rank = default_rank()
+        if rank is not None:
+            return rank
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def _fail(message: str) -> int:
-    print(f"fullbatch probe: error: {message}", file=sys.stderr)
-    return 2
+    if _rank() == 0:
+        print(f"fullbatch probe: error: {message}", file=sys.stderr)
+    return USAGE
+
+
+def exit_status(report: Any, script_status: int | None) -> int:
+    """``fullbatch probe``'s exit status from its report and the script's own exit status
+    (None: it did not fail: it ended, or the probe stopped it).
+
+    A window judged wrong: 1. No window judged (no step, no micro-batch, an unsupported
+    engine, the script failed before a window ended), or one that had nothing to check: 3.
+    Every window right but the script failed: the script's status. Else 0.
+
+    >>> from fullbatch._probe._report import ProbeReport, WindowCheck
+    >>> def window(ok, pattern):
+    ...     return WindowCheck(1, ok, 0.0, 0.0, 0.0, 1, 1.0, (1.0,), 0.0, "", pattern, "", "")
+    >>> right, wrong = window(True, "right"), window(False, "dropped")
+    >>> [exit_status(ProbeReport((right,)), None), exit_status(ProbeReport((wrong,)), 4),
+    ...  exit_status(ProbeReport(()), 1), exit_status(ProbeReport((right,)), 4)]
+    [0, 1, 3, 4]
+    """
+    from fullbatch._probe._report import UNCHECKED as unchecked
+
+    judged = [w for w in report.windows if w.pattern not in unchecked]
+    if any(not w.ok for w in judged):
+        return WRONG
+    if not judged or not report.ok:
+        return UNCHECKED
+    if script_status not in (None, 0):
+        return int(script_status)
+    return RIGHT
 
 
 def _target(command: list[str]) -> tuple[str, str, list[str]]:
@@ -151,14 +232,17 @@ def _execute(kind: str, name: str, args: list[str]) -> int | None:
             runpy.run_module(name, run_name="__main__", alter_sys=True)
     except SystemExit as error:
         code = error.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if code is None or isinstance(code, int):
+            return code or None
+        print(code, file=sys.stderr)  # sys.exit("message"): python prints it, status 1
+        return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the command under the probe; print the report. 0 right, 1 wrong or nothing, 2 usage."""
+    """Run the command under the probe; print the report (rank 0); the :func:`exit_status`."""
     try:
         kind, name, script_args = _target(list(args.training_command))
         objective = _objective(args.objective)
@@ -185,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exc()  # the script's own error, as python would show it
             status = 1
     report = probe.report
-    print(report)
-    if status not in (None, 0):
-        print(f"note: the script ended with status {status}")
-    return 0 if report.ok else 1
+    code = exit_status(report, status)
+    if _rank() == 0:
+        print(report)
+        if status not in (None, 0):
+            print(f"note: the script failed (exit status {status}); fullbatch probe exits {code}")
+    return code

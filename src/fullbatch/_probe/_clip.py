@@ -16,12 +16,14 @@ comparison is the one before the clip. The originals are put back when probing e
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.nn.utils import clip_grad as clip_module
+
+from fullbatch._probe._engines import Engine
 
 __all__ = ["Clip", "ClipObserver"]
 
@@ -84,8 +86,21 @@ class ClipObserver:
 
     def take(self, params: set[int]) -> list[Clip]:
         """The clips since the last take that touched any of ``params``."""
+        return [c for c in self.take_all() if c.params & params]
+
+    def take_all(self) -> list[Clip]:
+        """Every clip since the last take."""
         clips, self.clips = self.clips, []
-        return [c for c in clips if c.params & params]
+        return clips
+
+    def for_step(self, params: Sequence[torch.Tensor], engine: Engine) -> list[Clip]:
+        """The clips since the last take, and a clip the stepping engine applied by its own
+        multiply (``fb.Accumulator(max_grad_norm=...)``), on ``params``, as it published it."""
+        clips = self.take_all()
+        if engine.clip is not None:
+            max_norm, total, coef = engine.clip
+            clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
+        return clips
 
 
 def _listed(parameters: Any) -> list[torch.Tensor]:

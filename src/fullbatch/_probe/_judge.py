@@ -47,12 +47,19 @@ window"``, ``"not normalized"``), ``"per-rank count"``, ``"mean of per-micro-bat
 else ``"dropped"`` or ``"counted twice"`` for the off weights; else ``"other"`` with the
 largest deviating weights. A factor that is off is never called right, and no sentence
 contradicts the weights the report prints.
+
+**Several optimizers.** When several optimizers stepped at a window's end, each one's
+parameters are judged by the same rule on their own (their error, their fitted weights and
+factor), beside the whole window: a mistake confined to one optimizer's parameters (a gradient
+left scaled, a group clipped alone) is wrong even where the whole window's error hides it, and
+its sentence names that optimizer and its parameters. When every optimizer shows the same
+pattern as the whole window, the whole window's sentence stands alone.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fullbatch._probe._fixes import fix
 from fullbatch._probe._measured import Measured
@@ -68,11 +75,13 @@ SPAN_FACTOR = 4.0
 
 @dataclass(frozen=True)
 class Judgement:
-    """``ok``, the pattern's name and the sentence (with the fix when wrong)."""
+    """``ok``, the pattern's name and the sentence (with the fix when wrong); ``parts``: one
+    line per optimizer when several stepped together."""
 
     ok: bool
     pattern: str
     sentence: str
+    parts: tuple[str, ...] = ()
 
 
 def _margin(error: float, u: float, of: float = 1.0) -> float:
@@ -144,8 +153,8 @@ def _partial(m: Measured, c: float, k_max: int) -> str | None:
     close = SLACK * c + _margin(m.fit.factor_stderr, m.unit, c)
     if k_max > k and abs(c - k / k_max) <= close:
         return (
-            f"partial window: this window has {k} micro-batches where others had {k_max}, and "
-            f"it is weighted {c:.3g} = {k}/{k_max} of a full-batch step"
+            f"partial window: this window has {k} micro-batch{'es' * (k > 1)} where others had "
+            f"{k_max}, and it is weighted {c:.3g} = {k}/{k_max} of a full-batch step"
         )
     big = round(k / c) if 0 < c < 1 else 0
     if k == 1 and big >= 2 and abs(c - 1 / big) <= close:
@@ -162,6 +171,12 @@ def _uniform(m: Measured, c: float, k_max: int) -> tuple[str, str]:
     if partial is not None:
         return "partial window", partial
     text = f"not normalized: every micro-batch weighted {_factor_text(c, max(m.ranks))}"
+    if c < 1 and m.no_backward:
+        n = m.no_backward
+        text += (
+            f"; {n} forward{'s' * (n > 1)} of this window reached no backward: a micro-batch "
+            "whose backward was skipped still counted in the divisor weighs the others down so"
+        )
     if c < 1 and m.clip is None and _round(m.applied_norm):
         text += (
             f"; the applied gradient's norm is {m.applied_norm:.2g}: if that is your max_norm, "
@@ -248,6 +263,41 @@ def judge(m: Measured, k_max: int) -> Judgement:
 
     Doctested in ``tests/probe``: every pattern against a plain full-batch reference.
     """
+    whole = _judge(m, k_max)
+    if len(m.parts) < 2 or m.problem is not None:
+        return _fixed(whole, m)
+    each = [
+        (part, _judge(replace(m, error=part.error, tolerance=part.tolerance, fit=part.fit,
+                              applied_norm=part.applied_norm, parts=()), k_max))
+        for part in m.parts
+    ]  # fmt: skip
+    lines = tuple(
+        f"{part.label}: "
+        + ("right" if j.ok else f"WRONG, {j.pattern}")
+        + f" (error {part.error:.1e}, factor {part.fit.factor:.4g})"
+        for part, j in each
+    )
+    wrong = [(part, j) for part, j in each if not j.ok]
+    alike = len(wrong) == len(each) and {j.pattern for _, j in wrong} == {whole.pattern}
+    if not wrong or alike:
+        return replace(_fixed(whole, m), parts=lines)
+    text = "; ".join(f"{part.label}: {j.sentence}" for part, j in wrong)
+    right = [part.label.split(" (")[0] for part, j in each if j.ok]
+    if right:
+        text += f"; the parameters of {' and '.join(right)} are right"
+    pattern = wrong[0][1].pattern
+    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine)}", lines)
+
+
+def _fixed(j: Judgement, m: Measured) -> Judgement:
+    """The judgement with the fix appended when wrong (its sentence said what, not how)."""
+    if j.ok or m.problem is not None:
+        return j
+    return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine)}")
+
+
+def _judge(m: Measured, k_max: int) -> Judgement:
+    """The rule of the module docstring on one set of parameters; the sentence without fix."""
     if m.problem is not None:
         return Judgement(False, m.problem_pattern, m.problem)
     f = m.fit
@@ -296,4 +346,4 @@ def judge(m: Measured, k_max: int) -> Judgement:
                 "step(), or a loss that differs from the declared objective"
             ),
         )
-    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine)}")
+    return Judgement(False, pattern, text)

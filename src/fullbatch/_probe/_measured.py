@@ -8,9 +8,29 @@ from dataclasses import dataclass
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._fit import Fit
 
-__all__ = ["NO_FIT", "Measured"]
+__all__ = ["NO_FIT", "Measured", "PartMeasured"]
 
 NO_FIT = Fit(())
+
+
+@dataclass(frozen=True)
+class PartMeasured:
+    """One optimizer's share of a window where several stepped together.
+
+    Attributes:
+        label: ``"optimizer 2 (AdamW: head.weight, head.bias)"``.
+        error: ``‖applied − reference‖ / ‖reference‖`` over its parameters.
+        tolerance: what ``error`` is held to (the window's rounding relative to this part).
+        fit: the weights and the factor fitted on its parameters' sampled coordinates (where
+            none falls on them, only the exact factor and its tolerance).
+        applied_norm: ``‖applied‖`` over its parameters.
+    """
+
+    label: str
+    error: float
+    tolerance: float
+    fit: Fit
+    applied_norm: float
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,8 @@ class Measured:
         ranks_differ: the largest relative difference between ranks' applied gradients.
         clip: ``(max_norm, total_norm)`` of the clip the window saw, or None.
         problem, problem_pattern: why nothing could be judged (then everything else is moot).
+        parts: one per optimizer when several stepped at the window's end, in their order.
+        no_backward: forwards run with gradients that reached no backward, left out.
     """
 
     step: int
@@ -53,3 +75,5 @@ class Measured:
     clip: tuple[float, float] | None = None
     problem: str | None = None
     problem_pattern: str = "nothing to check"
+    parts: tuple[PartMeasured, ...] = ()
+    no_backward: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["ProbeReport", "WindowCheck"]
+__all__ = ["UNCHECKED", "ProbeReport", "WindowCheck", "which"]
 
 
 def _fmt(value: float) -> str:
@@ -20,7 +20,8 @@ class WindowCheck:
     objective's gradient for the same micro-batches.
 
     Attributes:
-        step: which optimizer step this window ended (1 for the first seen in the block).
+        step: the window's number (1 for the first in the block; the optimizers stepped together
+            at its end are one window).
         ok: the judge's verdict (``fullbatch._probe._judge``): the error is within
             ``tolerance``, every weight, the factor and the leftover within their precision of
             right, and the ranks agree (never on a zero or missing gradient or a window without
@@ -52,6 +53,11 @@ class WindowCheck:
         objective: the declared objective's name.
         ranks: micro-batches per rank (one entry in a single process).
         clip: ``(max_norm, total_norm)`` of a ``clip_grad_norm_`` in the window, or None.
+        optimizers: one line per optimizer when several stepped at the window's end (each
+            judged on its own parameters: ``"optimizer 2 (AdamW: head.weight, head.bias):
+            right (...)"``); empty with one optimizer.
+        no_backward: forwards run with gradients whose output reached no backward (a
+            validation loss without ``torch.no_grad()``): not micro-batches of the window.
     """
 
     step: int
@@ -72,6 +78,8 @@ class WindowCheck:
     precision: tuple[float, ...] = ()
     factor: float = math.nan
     factor_precision: float = math.nan
+    optimizers: tuple[str, ...] = ()
+    no_backward: int = 0
 
     def __str__(self) -> str:
         rank_text = f" on {len(self.ranks)} ranks" if len(self.ranks) > 1 else ""
@@ -96,8 +104,35 @@ class WindowCheck:
                 f"  clip_grad_norm_(max_norm={self.clip[0]:g}) saw norm {self.clip[1]:.4g}: "
                 "compared before the clip"
             )
+        lines += [f"  {line}" for line in self.optimizers]
+        if self.no_backward:
+            n = self.no_backward
+            lines.append(
+                f"  {n} forward{'s' * (n > 1)} reached no backward: not micro-batches of the "
+                "window (an evaluation without torch.no_grad()?)"
+            )
         lines.append(f"  {self.diagnosis}")
         return "\n".join(lines)
+
+
+def which(steps: list[int]) -> str:
+    """``"window 1"``, ``"windows 1-3"``, ``"windows 1-2, 5"``.
+
+    >>> which([1]), which([1, 2, 3]), which([1, 2, 5])
+    ('window 1', 'windows 1-3', 'windows 1-2, 5')
+    """
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+    return f"window{'s' * (len(steps) > 1)} {text}"
+
+
+#: Patterns that mean a window could not be judged at all.
+UNCHECKED = ("nothing to check", "unsupported")
 
 
 @dataclass(frozen=True)
@@ -106,26 +141,42 @@ class ProbeReport:
 
     ``ok`` is True only when at least one window was checked, every checked window is right
     and nothing was left unchecked (``problems`` is empty): the probe never passes on nothing.
+    ``requested`` is how many windows were asked for (None: every window); the text says which
+    windows were checked, and when the run ended before the number asked for.
     """
 
     windows: tuple[WindowCheck, ...] = ()
     problems: tuple[str, ...] = field(default_factory=tuple)
     engine: str = ""
+    requested: int | None = 2
 
     @property
     def ok(self) -> bool:
         return bool(self.windows) and all(w.ok for w in self.windows) and not self.problems
 
+    @property
+    def checked(self) -> bool:
+        """Whether at least one window was judged (not only "nothing to check")."""
+        return any(w.pattern not in UNCHECKED for w in self.windows)
+
     def __str__(self) -> str:
-        wrong = sum(not w.ok for w in self.windows)
-        if self.ok:
-            verdict = f"RIGHT ({len(self.windows)} window{'s' * (len(self.windows) > 1)} checked"
-        elif self.windows:
-            verdict = f"WRONG ({wrong} of {len(self.windows)} windows wrong"
-        else:
-            verdict = "NOTHING CHECKED (0 windows"
+        steps = [w.step for w in self.windows]
+        wrong = [w.step for w in self.windows if not w.ok]
         engine = f", {self.engine}" if self.engine else ""
-        lines = [f"fullbatch probe: {verdict}{engine})"]
+        if self.ok:
+            verdict = f"RIGHT ({which(steps)} checked{engine})"
+        elif len(steps) == 1:
+            verdict = f"WRONG ({which(steps)} checked{engine})"
+        elif self.windows:
+            verdict = f"WRONG ({which(wrong)} wrong of {which(steps)} checked{engine})"
+        else:
+            verdict = f"NOTHING CHECKED (0 windows{engine})"
+        lines = [f"fullbatch probe: {verdict}"]
         lines += [str(w) for w in self.windows]
         lines += [f"problem: {p}" for p in self.problems]
+        if self.requested is not None and 0 < len(steps) < self.requested and not self.problems:
+            lines.append(
+                f"note: only {which(steps)} checked: the run ended before window {steps[-1] + 1} "
+                f"(windows={self.requested})"
+            )
         return "\n".join(lines)

@@ -1,4 +1,12 @@
-"""``fb.probe``: check the accumulation of any training code, unchanged, while it runs."""
+"""``fb.probe``: check the accumulation of any training code, unchanged, while it runs.
+
+A window's life: its micro-batches are recorded (:mod:`fullbatch._probe._capture`); at the first
+optimizer ``step()`` after them the window opens (its reference, before any parameter moves);
+every optimizer stepped before the next micro-batch joins it and is read at its own ``step()``;
+it closes as soon as every parameter it could check has been stepped, else at the next
+``step()`` after new micro-batches, or when the block ends. After the last probed window every
+hook goes: at the end of the ``step()`` that closed it (:mod:`fullbatch._probe._hooks`).
+"""
 
 from __future__ import annotations
 
@@ -6,28 +14,50 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
-from torch.utils.hooks import RemovableHandle
 
 from fullbatch._probe._applied import Seen, applied_gradient
-from fullbatch._probe._capture import Capture
-from fullbatch._probe._clip import Clip, ClipObserver
+from fullbatch._probe._capture import Capture, micro_batches
+from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._engines import find_engine
-from fullbatch._probe._judge import judge
+from fullbatch._probe._hooks import Hooks, after_closure
+from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
-from fullbatch._probe._report import ProbeReport, WindowCheck
+from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
-from fullbatch._probe._window import WindowData, measure
+from fullbatch._probe._verdicts import report_of
+from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective
 
-__all__ = ["Probe", "ProbeFinished", "probe"]
+__all__ = ["DEFAULT_WINDOWS", "Probe", "ProbeFinished", "probe", "window_limit"]
+
+#: Windows checked by default: a gradient left over by a missing zero_grad() shows in the 2nd.
+DEFAULT_WINDOWS = 2
 
 
 class ProbeFinished(BaseException):
     """Raised out of ``step()`` after the probed windows when the probe was asked to stop the
     run (``fullbatch probe`` without ``--keep-training``); a BaseException so that a script's
     ``except Exception`` does not swallow it."""
+
+
+def window_limit(windows: Any) -> int | None:
+    """How many windows to check: ``windows`` itself, :data:`DEFAULT_WINDOWS` for None, None
+    (every window) for ``"all"``.
+
+    >>> window_limit(None), window_limit(3), window_limit("all")
+    (2, 3, None)
+    """
+    if windows is None:
+        return DEFAULT_WINDOWS
+    if windows == "all":
+        return None
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise ValueError(
+            f"windows must be a positive int, None (the first {DEFAULT_WINDOWS}) or 'all' (every "
+            f"window until the block ends), got {windows!r}; e.g. windows=2 or windows='all'."
+        )
+    return windows
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -55,28 +85,29 @@ class Probe:
         optimizer: Any,
         *,
         objective: Any,
-        windows: int,
+        windows: Any,
         ranks: Any,
         stop: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module or None, got {type(model).__name__}.")
-        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
-            raise ValueError(f"windows must be a positive int, got {windows!r}; e.g. windows=1.")
+        self.limit = window_limit(windows)
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
         check_objective(objective)
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
-        self.objective, self.windows, self.ranks, self.stop = objective, windows, ranks, stop
+        self.objective, self.ranks, self.stop = objective, ranks, stop
         self._capture = Capture(model, self._first_call)
         self._clips = ClipObserver()
+        self._hooks = Hooks()
         self._samplers: dict[int, Sampler] = {}
         self._leftovers: dict[int, torch.Tensor] = {}
         self._measured: list[Measured] = []
         self._problems: list[str] = []
-        self._steps = 0
+        self._open: OpenWindow | None = None
+        self._outer: tuple[nn.Module, ...] = ()
+        self._windows = 0
         self._done = False
-        self._handles: list[RemovableHandle] = []
         self.failed: BaseException | None = None  # what the probe's own check raised
 
     # -- the report --------------------------------------------------------------------------
@@ -84,40 +115,7 @@ class Probe:
     @property
     def report(self) -> ProbeReport:
         """Every window checked so far, and what kept the probe from checking."""
-        k_max = max((len(m.counts) for m in self._measured), default=0)
-        checks = []
-        for m in self._measured:
-            verdict = judge(m, k_max)
-            checks.append(
-                WindowCheck(
-                    step=m.step,
-                    ok=verdict.ok,
-                    error=m.error,
-                    band=m.band,
-                    tolerance=m.tolerance,
-                    micro_batches=len(m.counts),
-                    count=m.count,
-                    weights=m.fit.weights,
-                    leftover=m.fit.leftover,
-                    diagnosis=verdict.sentence,
-                    pattern=verdict.pattern,
-                    engine=m.engine.name,
-                    objective=m.objective,
-                    ranks=m.ranks,
-                    clip=m.clip,
-                    precision=m.fit.stderr,
-                    factor=m.fit.factor,
-                    factor_precision=m.fit.factor_stderr,
-                )
-            )
-        problems = list(self._problems)
-        if not checks and not problems:
-            problems.append(
-                "nothing to check: no optimizer step was seen inside the block (the training "
-                "ended before its first step, or its optimizer is not a torch.optim.Optimizer)"
-            )
-        engines = {m.engine.name for m in self._measured}
-        return ProbeReport(tuple(checks), tuple(problems), ", ".join(sorted(engines)))
+        return report_of(self._measured, self._problems, self.limit)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -125,32 +123,35 @@ class Probe:
         self._capture.start()
         self._clips.start()
         if self.optimizer is None:
-            self._handles.append(optimizer_hooks.register_optimizer_step_pre_hook(self._on_step))
+            self._hooks.add(optimizer_hooks.register_optimizer_step_pre_hook(self._on_step))
         else:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._on_step))
+            self._hooks.add(self.optimizer.register_step_pre_hook(self._on_step))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._finish()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        try:
+            if self._open is not None and not self._done:
+                # a window still open closes with the block; after an error, only where no
+                # other rank has to join its collectives
+                if kind is None or kind is ProbeFinished or self._open.sync.world == 1:
+                    self._close(stopping=False)
+        finally:
+            self._finish()
+            self._hooks.remove_all()
 
-    def _finish(self) -> None:
-        """Stop recording; the step hook goes at the next forward (it cannot remove itself
-        while ``step()`` iterates over the hooks) or at the block's end."""
+    def _finish(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Stop recording and take every hook away: now, or, inside ``optimizer.step()``
+        (whose hook loop cannot lose a hook while it runs), the moment that step ends."""
         if self._done:
             return
         self._done = True
+        self._open = None
         self._capture.stop()
         self._clips.stop()
-
-        def remove_step_hook(module: nn.Module, args: Any) -> None:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-
-        self._handles.append(module_hooks.register_module_forward_pre_hook(remove_step_hook))
+        if optimizer is None:
+            self._hooks.remove_all()
+        else:
+            self._hooks.remove_after_step(optimizer)
 
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
@@ -175,75 +176,103 @@ class Probe:
         the closure returns, before the parameters move."""
         if self._done:
             return None
-        closure = kwargs.get("closure", args[0] if args else None)
-        if not callable(closure):
-            self._check(optimizer)
-            return None
-        checked = False
+        return after_closure(args, kwargs, lambda: self._step(optimizer))
 
-        def closure_then_check() -> Any:
-            nonlocal checked
-            result = closure()
-            if not checked:  # LBFGS calls its closure again: the window is the first call's
-                checked = True
-                self._check(optimizer)
-            return result
+    # -- windows -----------------------------------------------------------------------------
 
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_check}
-        return (closure_then_check, *args[1:]), kwargs
-
-    def _check(self, optimizer: torch.optim.Optimizer) -> None:
+    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` is about to step: it joins the open window, or ends the window of the
+        micro-batches recorded since (closing the open one first)."""
         if self._done:
             return
-        self._steps += 1
-        calls, outer = self._capture.take()
-        window = WindowData(self._steps, calls, [optimizer], self._leftovers)
-        self._leftovers = {}
-        params = window.params
-        window.clips = self._clips.take({id(p) for p in params})
-        engine = find_engine()
-        if engine.clip is not None:  # clipped by the engine's own multiply: as it published
-            max_norm, total, coef = engine.clip
-            window.clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
-        reader = applied_gradient(self._seen(window, outer))
-        why = reader.unsupported()
-        if why is not None:
-            self._problems.append(
-                f"unsupported: {why}; the probe reads the gradient the optimizer applies "
-                "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
-                "Trainer, TRL, Lightning, Accelerate)"
-            )
-            self._finish()
-            return
+        if self._open is not None:
+            stepped = any(o is optimizer for o in self._open.window.optimizers)
+            if not stepped and not self._capture.reached():
+                self._guarded(lambda: self._read(optimizer), optimizer)
+                return
+            self._close(optimizer)
+            if self._done:
+                return
+        self._guarded(lambda: self._begin(optimizer), optimizer)
+
+    def _guarded(self, run: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Run a part of the check with recording paused; an error stops the probe."""
         self._capture.paused = True
         try:
-            measured = measure(
-                window, reader, sampler_for=self.sampler_for, objective=self.objective,
-                ranks=self.ranks, engine=engine,
-            )  # fmt: skip
+            run()
         except BaseException as error:
             self.failed = error
-            self._finish()
+            self._finish(optimizer)
             raise
         finally:
             self._capture.paused = False
-        self._measured.append(measured)
-        if len(self._measured) >= self.windows:
-            self._finish()
-            if self.stop:
-                raise ProbeFinished
+        if self._open is not None and self._open.complete:
+            self._close(optimizer)
 
-    def _seen(self, window: WindowData, outer: tuple[nn.Module, ...]) -> Seen:
-        """The window's parameters (every optimizer's, then those of the module that ran that
-        no optimizer trains), the modules that ran and the wrappers seen."""
-        params = window.params
-        mine = window.calls_of(params)
+    def _begin(self, optimizer: torch.optim.Optimizer) -> None:
+        self._windows += 1
+        calls, self._outer = self._capture.take()
+        kept, left_out = micro_batches(calls)
+        window = WindowData(self._windows, kept, [], self._leftovers, no_backward=left_out)
+        self._leftovers = {}
+        params = trained(optimizer)
         ids = {id(p) for p in params}
+        mine = window.calls_of(params)
         sampled = self.sampler_for(mine[0].module).params if mine else []
-        extra = [p for p in sampled if id(p) not in ids]
-        modules = tuple({id(c.module): c.module for c in mine}.values())
-        return Seen(tuple(params + extra), modules, outer)
+        candidates = params + [p for p in sampled if id(p) not in ids]
+        reader = self._reader(params, candidates, window, optimizer)
+        if reader is None:
+            return
+        self._open = OpenWindow.start(
+            window, candidates, sampler_for=self.sampler_for, objective=self.objective,
+            ranks=self.ranks, engine=find_engine(),
+        )  # fmt: skip
+        self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
+
+    def _read(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self._open is not None
+        params = trained(optimizer)
+        reader = self._reader(params, params, self._open.window, optimizer)
+        if reader is not None:
+            self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
+
+    def _reader(
+        self, params: list[nn.Parameter], seen: list[nn.Parameter], window: WindowData,
+        optimizer: torch.optim.Optimizer,
+    ) -> Any:  # fmt: skip
+        """The applied-gradient reader for ``seen``, or None (said, and the probe stopped)."""
+        modules = tuple({id(c.module): c.module for c in window.calls_of(params)}.values())
+        reader = applied_gradient(Seen(tuple(seen), modules, self._outer))
+        why = reader.unsupported()
+        if why is None:
+            return reader
+        self._problems.append(
+            f"unsupported: {why}; the probe reads the gradient the optimizer applies "
+            "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
+            "Trainer, TRL, Lightning, Accelerate)"
+        )
+        self._open = None
+        self._finish(optimizer)
+        return None
+
+    def _close(self, optimizer: torch.optim.Optimizer | None = None, *, stopping: bool = True):
+        """Measure the open window; after the last probed one, finish (and stop the run when
+        asked to)."""
+        assert self._open is not None
+        open_window, self._open = self._open, None
+        self._capture.paused = True
+        try:
+            self._measured.append(close(open_window))
+        except BaseException as error:
+            self.failed = error
+            self._finish(optimizer)
+            raise
+        finally:
+            self._capture.paused = False
+        if self.limit is not None and len(self._measured) >= self.limit:
+            self._finish(optimizer)
+            if self.stop and stopping:
+                raise ProbeFinished
 
 
 def probe(
@@ -251,36 +280,43 @@ def probe(
     optimizer: Any = None,
     *,
     objective: Any = None,
-    windows: int = 1,
+    windows: int | str | None = None,
     ranks: Any = None,
 ) -> Probe:
     """Check that the code run inside the block accumulates gradients like the full batch.
 
-    For each of the first ``windows`` optimizer steps, the probe records every micro-batch the
-    model ran since the previous step (inputs, RNG state, autocast), and just before ``step()``
-    recomputes the declared objective's gradient ``∇(Σ loss_sum) / Σ count`` over those
-    micro-batches (and every data-parallel rank) with ``torch.autograd.grad``, compares it with
-    the gradient the optimizer is about to apply (before a ``clip_grad_norm_``), and fits each
-    micro-batch's weight in it to name what went wrong. Then every hook is removed and the run
-    goes on unchanged: with or without the probe, parameters are bitwise equal on CPU.
+    For each probed window (the micro-batches between two optimizer steps) the probe records
+    every micro-batch the model ran (inputs, RNG state, autocast; a forward whose output reaches
+    no backward is not one), and just before the parameters move recomputes the declared
+    objective's gradient ``∇(Σ loss_sum) / Σ count`` over those micro-batches (and every
+    data-parallel rank) with ``torch.autograd.grad``, compares it with the gradient each
+    optimizer stepped at the window's end is about to apply (before a ``clip_grad_norm_``),
+    and fits each micro-batch's weight in it to name what went wrong. Then every hook is
+    removed and the run goes on unchanged: with or without the probe, parameters are bitwise
+    equal on CPU.
 
     Args:
         model: the module to watch; default: the outermost module that runs with gradients
             (DDP and Lightning's wrappers looked through).
-        optimizer: the optimizer whose steps end windows; default: any that steps.
+        optimizer: the optimizer whose steps end windows; default: every one that steps
+            (several stepped together end one window, and all their parameters are checked).
         objective: ``"causal_lm"``, ``"token"``, ``"sample"``, ``fn(model, micro) ->
             (loss_sum, count)`` (``micro``: the engine's micro-batch, e.g. the Trainer's
             ``inputs``), or None to infer it from a Hugging Face head.
-        windows: how many windows to check.
+        windows: how many windows to check: a positive int; None, the first two (a gradient
+            left over by a missing ``zero_grad()`` shows only in the second); ``"all"``,
+            every window until the block ends.
         ranks: None (the DDP wrapper's group, else the default group), ``"local"``, or a
             process group.
 
     Returns:
-        a :class:`Probe`; after the block, ``probe.report`` (``.ok``, ``.windows``).
+        a :class:`Probe`; after the block, ``probe.report`` (``.ok``, ``.windows``; its text
+        says which windows were checked).
 
     Raises:
-        ValueError: bad arguments; at the first step, an objective that cannot be inferred or
-            computed (e.g. no labels), naming the choices.
+        ValueError: bad arguments (``windows`` anything but a positive int, None or "all");
+            at the first step, an objective that cannot be inferred or computed (e.g. no
+            labels), naming the choices.
 
     >>> import torch, fullbatch as fb
     >>> model = torch.nn.Linear(3, 4)

@@ -1,14 +1,19 @@
-"""One window at ``step()``: the reference against the applied gradient, over every rank.
+"""One window, opened at its first optimizer's ``step()`` and read at every optimizer's.
 
-:func:`measure` recomputes the reference (:mod:`fullbatch._probe._reference`), reads the applied
-gradient through the window's reader (:mod:`fullbatch._probe._applied`), compares them and fits
-each micro-batch's weight (:mod:`fullbatch._probe._fit`); the judge decides what it means.
+A window is what the optimizers stepped between two micro-batches apply, so it may end with
+several ``step()`` calls (a Muon + AdamW split, a body and a head optimizer). At the first one,
+before any parameter moves, :meth:`OpenWindow.start` recomputes the reference
+(:mod:`fullbatch._probe._reference`) for every parameter that may be stepped: that optimizer's
+and the trainable parameters of the module that ran. At each optimizer's ``step()``,
+:meth:`OpenWindow.read` reads the gradient it is about to apply through the window's reader
+(:mod:`fullbatch._probe._applied`), after that optimizer's own clip and unscaling, compares it
+with the reference, keeps its sampled coordinates for the weight fit, and frees that part of
+the reference. :mod:`fullbatch._probe._measure` closes the window over every rank.
 
 Every rank runs the same collectives in the same order whatever it found (a rank whose
 recompute failed says so in the header, and then every rank raises), so a failure never leaves
 a rank waiting. The reference ``Σ_rk ∇S_rk / N`` is one gradient-sized buffer summed over the
-ranks; the per-micro-batch samples, counts, the band sample and the applied gradients travel
-as small sampled vectors.
+ranks, freed part by part as the optimizers read it.
 """
 
 from __future__ import annotations
@@ -27,14 +32,11 @@ from fullbatch._probe._call_loss import resolve
 from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._engines import Engine
-from fullbatch._probe._fit import fit
-from fullbatch._probe._measured import NO_FIT, Measured
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler
 from fullbatch._proof._norms import squared
-from fullbatch._proof._tolerance import tolerance, unit_roundoff
 
-__all__ = ["WindowData", "measure", "trained"]
+__all__ = ["OpenWindow", "Part", "WindowData", "trained"]
 
 
 def trained(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -49,15 +51,16 @@ def trained(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 @dataclass
 class WindowData:
-    """What the probe recorded for one window, handed to :func:`measure`.
+    """What the probe recorded for one window.
 
     Attributes:
-        step: which optimizer step ends it.
-        calls: the micro-batches the model ran since the previous step.
-        optimizers: every optimizer stepped at the window's end (its parameters are checked
-            together: ``params`` is their union, each once).
+        step: the window's number (1 for the first seen in the block).
+        calls: its micro-batches (:func:`fullbatch._probe._capture.micro_batches`).
+        optimizers: every optimizer stepped at the window's end, in order (their parameters
+            are checked together: ``params`` is their union, each once).
         leftovers: per module, the sampled gradient present at its first forward.
-        clips: the ``clip_grad_norm_`` calls of the window, on these parameters.
+        clips: the ``clip_grad_norm_`` calls of the window.
+        no_backward: forwards with gradients left out: their output reached no backward.
     """
 
     step: int
@@ -65,6 +68,7 @@ class WindowData:
     optimizers: list[torch.optim.Optimizer]
     leftovers: dict[int, torch.Tensor] = field(default_factory=dict)
     clips: list[Clip] = field(default_factory=list)
+    no_backward: int = 0
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -80,152 +84,166 @@ class WindowData:
         return [c for c in self.calls if any(id(p) in ids for p in c.module.parameters())]
 
 
-def _gather_rows(sync: Any, rows: torch.Tensor, sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Every rank's ``[k_r, m_r]`` matrix (padded for the all-gather, unpadded after)."""
-    k_max = max(k for k, _ in sizes)
-    m_max = max(m for _, m in sizes)
-    padded = torch.zeros(k_max, m_max, dtype=torch.float64)
-    padded[: rows.shape[0], : rows.shape[1]] = rows
-    every = sync.all_gather(padded)
-    return [every[r, :k, :m] for r, (k, m) in enumerate(sizes)]
+@dataclass
+class Part:
+    """One optimizer's read: its parameters compared, and this rank's sums over them.
+
+    ``diff`` ``‖a − r‖²``, ``ref`` ``‖r‖²`` and ``applied`` ``‖a‖²`` (``r`` the reference
+    clipped as the engine clipped these parameters, ``a`` the applied gradient); ``raw``
+    ``‖Σ ∇S‖²`` before dividing by ``N`` (for this part's share of the band).
+    """
+
+    label: str
+    ids: frozenset[int]
+    diff: float = 0.0
+    ref: float = 0.0
+    applied: float = 0.0
+    raw: float = 0.0
 
 
-def _eps_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
-    floating = [d for d in dtypes if d.is_floating_point]
-    return max(floating, key=lambda d: torch.finfo(d).eps) if floating else torch.float64
+def _names(modules: list[nn.Module]) -> dict[int, str]:
+    return {id(p): name for m in modules for name, p in m.named_parameters()}
 
 
-def _problem(name: str, k_total: int, count: float, applied_norm: float, clips: list[Clip]):
-    if any(math.isnan(c.coef) for c in clips):
-        return (
-            "clip_grad_value_ clipped the gradient entry by entry, which no full-batch "
-            "gradient equals: probe a run without it"
-        ), "unsupported"
-    if k_total == 0:
-        return (
-            "nothing to check: no micro-batch ran a module this optimizer trains since its last "
-            "step (the model ran without gradients, or the engine runs it outside nn.Module "
-            "calls)"
-        ), "nothing to check"
-    if count == 0:
-        return (
-            f"nothing to check: the window's {k_total} micro-batches hold no counted items "
-            f"under the {name} objective (every label ignored?)"
-        ), "nothing to check"
-    if applied_norm == 0:
-        return (
-            f"dropped: no gradient reached the optimizer's parameters at step() (zero or "
-            f"missing gradient) although {k_total} micro-batches ran"
-        ), "dropped"
-    return None, "nothing to check"
+def _label(index: int, optimizer: Any, params: list[nn.Parameter], names: dict[int, str]) -> str:
+    shown = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in params[:4]]
+    more = f" and {len(params) - 4} more" if len(params) > 4 else ""
+    return f"optimizer {index} ({type(optimizer).__name__}: {', '.join(shown)}{more})"
 
 
-def measure(
-    window: WindowData,
-    reader: AppliedGradient,
-    *,
-    sampler_for: Callable[[nn.Module], Sampler],
-    objective: Any,
-    ranks: Any,
-    engine: Engine,
-) -> Measured:
-    """Measure one window (see the module docstring); raises on every rank when the
-    declared objective cannot be computed on one of them."""
-    params = window.params
-    mine = window.calls_of(params)
-    wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
-    sync = probe_sync(wrapper, ranks)
-    name = objective if isinstance(objective, str) else "inferred"
-    sampler = sampler_for(mine[0].module) if mine else None
-    failure: BaseException | None = None
-    rec: LocalReference | None = None
-    read = reader.params()
-    if mine:
-        assert sampler is not None
-        try:
-            name, fn = resolve(objective, mine[0].module)
-            rec = recompute(mine, read, sampler, fn)
-        except (ValueError, TypeError, RuntimeError) as raised:
-            failure = raised
-    m_local = sampler.size if sampler is not None else 0
-    local_counts = rec.counts if rec is not None else []
-    header = torch.tensor(
-        [len(local_counts), sum(local_counts), m_local, failure is not None,
-         rec.band if rec is not None else 0.0, rec.band_count if rec is not None else 0.0],
-        dtype=torch.float64,
-    )  # fmt: skip
-    every = sync.all_gather(header)
-    if bool(every[:, 3].any()):
-        if failure is not None:
-            raise failure
-        bad = [r for r in range(sync.world) if every[r, 3]]
-        raise RuntimeError(f"fb.probe could not recompute the window on rank(s) {bad}; see there.")
-    sizes = [(int(every[r, 0]), int(every[r, 2])) for r in range(sync.world)]
-    per_rank = tuple(k for k, _ in sizes)
-    count = float(every[:, 1].sum())
-    k_total = sum(per_rank)
+@dataclass
+class OpenWindow:
+    """A window between its first optimizer's ``step()`` and its close (module docstring)."""
 
-    ref = summed_over_ranks(rec, params, sync)  # Σ_rk ∇S_rk
-    ref_norm = math.sqrt(squared(ref))
-    coef = math.prod(c.coef for c in window.clips)
-    if count > 0:
-        torch._foreach_mul_(ref, coef / count)  # the reference, clipped as the engine did
-    grads = reader.applied()
-    applied = grads[: len(params)]
-    scaled_sq = squared(ref)
-    error = math.sqrt(squared(applied, ref) / scaled_sq) if scaled_sq > 0 else math.nan
-    applied_norm = math.sqrt(squared(applied))
-    del ref
-    band = math.sqrt(k_total) * float(every[:, 4].max()) / ref_norm if ref_norm > 0 else math.nan
-    tol = tolerance(band, _eps_dtype([p.dtype for p in params]))
-    held = unit_roundoff(_eps_dtype([g.dtype for g in applied if g is not None]))
-    # a right engine may round values coherently (a scalar 1/N, nearly equal logit gradients)
-    # in any dtype the window's gradient flows through: the gradient's, the parameters', an
-    # autocast region's, and at least float32 (loss paths upcast to it)
-    flows = [torch.float32, *(p.dtype for p in params), *(d for c in mine for _, d in c.autocast)]
-    unit = max(held, unit_roundoff(_eps_dtype(flows)))
+    window: WindowData
+    engine: Engine
+    objective: str
+    sync: Any
+    sampler: Sampler | None
+    params: list[nn.Parameter]  # the reference's parameters
+    ref: list[torch.Tensor | None]  # Σ_rk ∇S_rk, None once read
+    header: torch.Tensor  # every rank's [k, Σ counts, m, failed, band, band count]
+    rec: LocalReference | None
+    names: dict[int, str]
+    parts: list[Part] = field(default_factory=list)
+    applied: torch.Tensor | None = None  # sampled applied gradient, as the optimizer applies it
+    divisor: torch.Tensor | None = None  # per sampled coordinate: the clip coefficient
+    dtypes: list[torch.dtype] = field(default_factory=list)  # of the applied gradients read
+    _where: dict[int, int] = field(default_factory=dict)
+    _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
-    local_rows = torch.zeros(len(local_counts), m_local + 1, dtype=torch.float64)
-    vectors = torch.zeros(3, m_local + 1, dtype=torch.float64)  # applied, leftover, δ
-    if rec is not None and sampler is not None:
-        local_rows[:, 0] = torch.tensor(local_counts, dtype=torch.float64)
-        local_rows[:, 1:] = torch.stack(rec.samples)
-        by_id = {id(p): g for p, g in zip(read, grads, strict=True)}
-        vectors[0, 1:] = sampler.take([by_id.get(id(p)) for p in sampler.params])
-        if id(mine[0].module) in window.leftovers:
-            vectors[1, 1:] = window.leftovers[id(mine[0].module)]
-        if rec.delta is not None:
-            vectors[2, 1:] = rec.delta
-    del grads
-    rows = _gather_rows(sync, local_rows, [(k, m + 1) for k, m in sizes])
-    m_max = max(m for _, m in sizes)
-    all_vectors = _gather_rows(sync, vectors, [(3, m + 1) for _, m in sizes])
-    with_sampler = [r for r, (_, m) in enumerate(sizes) if m == m_max and m > 0]
-    differ = 0.0
-    mine_a = vectors[0, 1:] if m_local == m_max else None
-    if mine_a is not None and float(mine_a.norm()) > 0:
-        for r in with_sampler:
-            diff = float((all_vectors[r][0, 1:] - mine_a).norm()) / float(mine_a.norm())
-            differ = max(differ, diff)
-    counts = tuple(float(v) for r in rows for v in r[:, 0].tolist())
-    result = NO_FIT
-    if mine_a is not None and k_total > 0 and m_max > 0:
-        samples = torch.cat([r[:, 1:] for r in rows if r.shape[1] == m_max + 1 and r.shape[0]])
-        left = sum(all_vectors[r][1, 1:] for r in with_sampler) / max(len(with_sampler), 1)
-        banded = max(with_sampler, key=lambda r: float(every[r, 4]))
-        result = fit(
-            samples, left if isinstance(left, torch.Tensor) else None, mine_a / coef, count,
-            delta=all_vectors[banded][2, 1:], unit=held, counts=counts,
-            band_count=float(every[banded, 5]),
+    @property
+    def count(self) -> float:
+        return float(self.header[:, 1].sum())
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter of the reference has been stepped: no other optimizer can join."""
+        read = {i for part in self.parts for i in part.ids}
+        return all(id(p) in read for p in self.params)
+
+    @classmethod
+    def start(
+        cls,
+        window: WindowData,
+        candidates: list[nn.Parameter],
+        *,
+        sampler_for: Callable[[nn.Module], Sampler],
+        objective: Any,
+        ranks: Any,
+        engine: Engine,
+    ) -> OpenWindow:
+        """Recompute the reference for ``candidates`` over the window's micro-batches and sum
+        it over the ranks; raises on every rank when the objective fails on one of them."""
+        mine = window.calls_of(candidates)
+        wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
+        sync = probe_sync(wrapper, ranks)
+        name = objective if isinstance(objective, str) else "inferred"
+        sampler = sampler_for(mine[0].module) if mine else None
+        failure: BaseException | None = None
+        rec: LocalReference | None = None
+        if mine:
+            assert sampler is not None
+            try:
+                name, fn = resolve(objective, mine[0].module)
+                rec = recompute(mine, candidates, sampler, fn)
+            except (ValueError, TypeError, RuntimeError) as raised:
+                failure = raised
+        counts = rec.counts if rec is not None else []
+        header = torch.tensor(
+            [len(counts), sum(counts), sampler.size if sampler is not None else 0,
+             failure is not None, rec.band if rec is not None else 0.0,
+             rec.band_count if rec is not None else 0.0],
+            dtype=torch.float64,
         )  # fmt: skip
+        every = sync.all_gather(header)
+        if bool(every[:, 3].any()):
+            if failure is not None:
+                raise failure
+            bad = [r for r in range(sync.world) if every[r, 3]]
+            raise RuntimeError(
+                f"fb.probe could not recompute the window on rank(s) {bad}; see there."
+            )
+        ref = summed_over_ranks(rec, candidates, sync)  # Σ_rk ∇S_rk
+        modules = list({id(c.module): c.module for c in mine}.values())
+        out = cls(window, engine, name, sync, sampler, candidates, list(ref), every, rec,
+                  _names(modules))  # fmt: skip
+        out._where = {id(p): i for i, p in enumerate(candidates)}
+        if sampler is not None:
+            out.applied = torch.zeros(sampler.size, dtype=torch.float64)
+            out.divisor = torch.ones(sampler.size, dtype=torch.float64)
+            start = 0
+            for p, index in zip(sampler.params, sampler.index, strict=True):
+                n = p.numel() if index is None else index.numel()
+                out._spans[id(p)] = (start, start + n)
+                start += n
+        return out
 
-    problem, pattern = _problem(name, k_total, count, applied_norm, window.clips)
-    clipped = [c for c in window.clips if c.coef < 1.0]  # a clip that only measured: none
-    last = clipped[-1] if clipped else None
-    return Measured(
-        step=window.step, engine=engine, objective=name, error=error, band=band,
-        tolerance=tol, ranks=per_rank, counts=counts, count=count, fit=result, unit=unit,
-        applied_norm=applied_norm, ranks_differ=differ,
-        clip=None if last is None else (last.max_norm, last.total_norm),
-        problem=problem, problem_pattern=pattern,
-    )  # fmt: skip
+    def read(self, optimizer: Any, reader: AppliedGradient, clips: list[Clip]) -> None:
+        """Compare what ``optimizer`` is about to apply with the reference; ``clips``: every
+        clip of the window so far (each multiplies the parameters it lists)."""
+        self.window.optimizers.append(optimizer)
+        self.window.clips.extend(clips)
+        done = {i for part in self.parts for i in part.ids}
+        mine = [p for p in trained(optimizer) if id(p) in self._where and id(p) not in done]
+        label = _label(len(self.window.optimizers), optimizer, mine, self.names)
+        part = Part(label, frozenset(id(p) for p in mine))
+        self.parts.append(part)
+        grads = reader.applied()
+        by_id = {id(p): g for p, g in zip(reader.params(), grads, strict=True)}
+        self.dtypes += [g.dtype for g in grads if g is not None]
+        count = self.count
+        for p in mine:
+            i = self._where[id(p)]
+            coef = math.prod(c.coef for c in self.window.clips if id(p) in c.params)
+            raw, got = self.ref[i], by_id.get(id(p))
+            self.ref[i] = None  # read: this part of the reference is freed
+            scale = coef / count if count > 0 else 0.0
+            part.diff += squared([raw], [got], scale=scale)
+            part.ref += squared([raw], scale=scale)
+            part.applied += squared([got])
+            part.raw += squared([raw])
+        if self.sampler is None or self.applied is None or self.divisor is None:
+            return
+        fresh = [p for p in reader.params() if id(p) in self._spans]
+        if self.parts[1:]:  # later optimizers: only their own parameters are read again
+            fresh = [p for p in fresh if id(p) in part.ids]
+        sampled = self.sampler.take([by_id.get(id(p)) for p in self.sampler.params])
+        for p in fresh:
+            lo, hi = self._spans[id(p)]
+            coef = math.prod(c.coef for c in self.window.clips if id(p) in c.params)
+            self.applied[lo:hi] = sampled[lo:hi]
+            self.divisor[lo:hi] = coef
+
+    def masks(self) -> list[torch.Tensor]:
+        """Per part, which sampled coordinates belong to its parameters."""
+        size = self.sampler.size if self.sampler is not None else 0
+        out = []
+        for part in self.parts:
+            mask = torch.zeros(size, dtype=torch.bool)
+            for i in part.ids:
+                if i in self._spans:
+                    lo, hi = self._spans[i]
+                    mask[lo:hi] = True
+            out.append(mask)
+        return out

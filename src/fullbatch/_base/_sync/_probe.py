@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fullbatch._base._sync._base import Sync, sum_tensors
 from fullbatch._base._sync._fsdp import is_fsdp
 
-__all__ = ["is_ddp", "probe_sync", "sum_tensors", "unsupported_wrapper"]
+__all__ = ["default_rank", "is_ddp", "probe_sync", "sum_tensors", "unsupported_wrapper"]
 
 # Engines whose gradients are not the parameters' ``.grad`` when ``step()`` is called, by the
 # class name of their model wrapper (none of them is imported here).
@@ -85,3 +85,15 @@ def probe_sync(wrapper: nn.Module | None, ranks: Any) -> Sync:
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         sync.group = dist.group.WORLD
     return sync
+
+
+def default_rank() -> int | None:
+    """This process's rank in the default process group, or None when there is none (the
+    probe's command prints its report on rank 0 alone).
+
+    >>> default_rank() is None
+    True
+    """
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return None

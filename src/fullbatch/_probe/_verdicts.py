@@ -1,0 +1,40 @@
+"""The report of a probe: each measured window judged (:mod:`fullbatch._probe._judge`) and put
+in the public shape (:class:`fullbatch._probe._report.WindowCheck`)."""
+
+from __future__ import annotations
+
+from fullbatch._probe._judge import judge
+from fullbatch._probe._measured import Measured
+from fullbatch._probe._report import ProbeReport, WindowCheck
+
+__all__ = ["report_of"]
+
+
+def report_of(measured: list[Measured], problems: list[str], limit: int | None) -> ProbeReport:
+    """Every window checked, and what kept the probe from checking; ``limit``: the windows
+    asked for (None: every one).
+
+    >>> str(report_of([], [], 2)).splitlines()[0]
+    'fullbatch probe: NOTHING CHECKED (0 windows)'
+    """
+    k_max = max((len(m.counts) for m in measured), default=0)
+    checks = []
+    for m in measured:
+        verdict = judge(m, k_max)
+        check = WindowCheck(
+            step=m.step, ok=verdict.ok, error=m.error, band=m.band, tolerance=m.tolerance,
+            micro_batches=len(m.counts), count=m.count, weights=m.fit.weights,
+            leftover=m.fit.leftover, diagnosis=verdict.sentence, pattern=verdict.pattern,
+            engine=m.engine.name, objective=m.objective, ranks=m.ranks, clip=m.clip,
+            precision=m.fit.stderr, factor=m.fit.factor, factor_precision=m.fit.factor_stderr,
+            optimizers=verdict.parts, no_backward=m.no_backward,
+        )  # fmt: skip
+        checks.append(check)
+    said = list(problems)
+    if not checks and not said:
+        said.append(
+            "nothing to check: no optimizer step was seen inside the block (the training "
+            "ended before its first step, or its optimizer is not a torch.optim.Optimizer)"
+        )
+    engines = ", ".join(sorted({m.engine.name for m in measured}))
+    return ProbeReport(tuple(checks), tuple(said), engines, limit)
