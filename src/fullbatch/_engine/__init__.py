@@ -8,7 +8,8 @@ One job per module, in import order (imports run downwards only, tests/package/t
 - services: ``_guards`` (leftovers of a hand loop), ``_hooks`` (window hooks), ``_precision``
   (``accumulate_dtype``'s buffers), ``_batchnorm`` (window statistics), ``_prepared`` and
   ``_boosted`` (Accelerate's and ColossalAI's wrapped objects), ``_dcp`` (DCP's own optimizer
-  step), ``_mistakes``, ``_labels`` and ``_route`` (migration mistakes caught before backward);
+  step), ``_mistakes``, ``_labels``, ``_route`` and ``_scaled`` (migration mistakes caught
+  before backward);
 - ``_state`` (:class:`WindowState`) and ``_core`` (:class:`Engine`: services, plans,
   counters and the open window, handed to every helper);
 - a window's life: ``_feed`` (the loader's micro-batches), ``_checkpoint``,

@@ -10,6 +10,9 @@ Each check looks for a signature that correct code cannot have:
   counted (with an ``attention_mask``, or without one from the model's pad id), a count
   without the causal shift. On the first backward calls of the first window (a mistake in the
   data pipeline shows in every micro-batch): one host sync per Accumulator.
+- **a loss already scaled by a GradScaler** (:mod:`fullbatch._engine._scaled`):
+  ``window.backward(scaler.scale(loss_sum), n)``, the scaler not given (nothing unscales: the
+  scale times too large) or given (scaled twice).
 - **the same loss backpropagated twice**: the same autograd graph (the loss tensor, or a view
   of it) passed to ``window.backward`` a second time for one micro-batch, e.g. again with
   ``count=0``: its gradient would count twice. A second *term* is another graph and passes.
@@ -45,6 +48,7 @@ from fullbatch._base._sync import Sync
 from fullbatch._base._warn import warn
 from fullbatch._engine._labels import label_mistake, pad_token_ids
 from fullbatch._engine._route import ForwardRoute
+from fullbatch._engine._scaled import ScaledLossCheck
 
 __all__ = ["MistakeChecks", "warn_untrained"]
 
@@ -158,6 +162,7 @@ class MistakeChecks:
         self._lrs: list[Any] | None = None
         self._read_in: Any = None  # the last window whose totals were read
         self._graphs: list[Any] = []  # autograd nodes backpropagated for this micro-batch
+        self._scaled = ScaledLossCheck()
         self._warned: set[str] = set()
         self._first: Any = None  # a weak reference to the first window (the route hooks' life)
         self._route: ForwardRoute | None = None
@@ -237,6 +242,9 @@ class MistakeChecks:
 
         ``window`` is the user's Window (its ``index``, ``is_padding`` and state are read).
         """
+        scaled = self._scaled(loss, window._engine.step_plan.scaler, window.index)
+        if scaled is not None:
+            return scaled
         node = _graph(loss)
         if node is not None:
             if any(node is seen for seen in self._graphs):

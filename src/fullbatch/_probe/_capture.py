@@ -59,6 +59,8 @@ class Call:
         targets: a ``labels``/``targets`` tensor found beside the model's input where the
             engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
             the built-in objectives use it when neither the call nor ``micro`` has labels.
+        early: its gradient taken at its forward (:class:`fullbatch._probe._early.Taken`),
+            or None: replayed at ``step()``.
     """
 
     module: nn.Module
@@ -69,6 +71,7 @@ class Call:
     autocast: tuple[tuple[str, torch.dtype], ...]
     micro: Any = None
     targets: torch.Tensor | None = None
+    early: Any = None
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
         """``(labels, already shifted)`` from the model's inputs (keywords, or a mapping passed
@@ -82,13 +85,18 @@ class Call:
         return self.targets, False
 
     def user_micro(self) -> Any:
-        """What an objective ``fn(model, micro)`` receives: the engine's micro-batch when found,
-        else the model's keyword inputs (or its one positional input)."""
+        """What an objective ``fn(model, micro)`` receives (docs/probe.md): the engine's
+        micro-batch when found (a mapping, list or tuple of the loop holding the model's
+        input), else ``(inputs, targets)`` where the loop unpacked the labels beside the input,
+        else ``inputs``: what the model received (its one positional input, or its keyword
+        inputs as a dict)."""
         if self.micro is not None:
             return self.micro
         if len(self.args) == 1 and not self.kwargs:
-            return self.args[0]
-        return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+            inputs = self.args[0]
+        else:
+            inputs = dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+        return inputs if self.targets is None else (inputs, self.targets)
 
 
 def _wrapper_kind(module: nn.Module) -> str | None:
@@ -155,13 +163,15 @@ class Capture:
     """Forward hooks that append a :class:`Call` per root forward to ``calls``.
 
     ``on_first(module, wrappers)`` runs at the first call of a window (before it is recorded),
-    so the gradients present before the window's first backward can be looked at. ``outer``
+    so the gradients present before the window's first backward can be looked at;
+    ``on_call(call, output)`` after each call is recorded, with what the model returned. ``outer``
     holds every outermost module that ran with gradients since the last :meth:`take` (the
     wrappers and the modules inside them), for the window's gradient reader.
     """
 
     model: nn.Module | None
     on_first: Callable[[nn.Module, tuple[nn.Module, ...]], None]
+    on_call: Callable[[Call, Any], None] | None = None
     calls: list[Call] = field(default_factory=list)
     outer: dict[int, nn.Module] = field(default_factory=dict)
     paused: bool = False
@@ -233,7 +243,7 @@ class Capture:
         frame = self._stack.pop()
         if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised
             return
-        kwargs, _ = rest
+        kwargs, output = rest
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)
@@ -243,17 +253,18 @@ class Capture:
         found = any(
             isinstance(v, Mapping) and ("labels" in v or "shift_labels" in v) for v in sources
         )
-        inputs = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         targets = None if found or not inputs else find_labels(inputs)
-        self.calls.append(
-            Call(
-                module=module,
-                wrapper=wrapper,
-                args=tuple(_copied(a) for a in args),
-                kwargs=dict(kwargs),
-                rng=frame.rng,
-                autocast=frame.autocast,
-                micro=_copied(micro),
-                targets=targets,
-            )
+        call = Call(
+            module=module,
+            wrapper=wrapper,
+            args=tuple(_copied(a) for a in args),
+            kwargs=dict(kwargs),
+            rng=frame.rng,
+            autocast=frame.autocast,
+            micro=_copied(micro),
+            targets=targets,
         )
+        self.calls.append(call)
+        if self.on_call is not None:
+            self.on_call(call, output)

@@ -85,12 +85,13 @@ def reversed_call(call: Call) -> Call | None:
     )
 
 
-def grads_of(loss: torch.Tensor, params: list[nn.Parameter]) -> Grads:
-    """``∂loss/∂p`` for each of ``params`` (None where unused), no ``.grad`` written."""
+def grads_of(loss: torch.Tensor, params: list[nn.Parameter], *, retain: bool = False) -> Grads:
+    """``∂loss/∂p`` for each of ``params`` (None where unused), no ``.grad`` written;
+    ``retain``: keep the graph (another backward, the engine's own, goes through it)."""
     if not loss.requires_grad:
         return [None] * len(params)
     try:
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
+        return list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain))
     except RuntimeError as error:
         if "heckpoint" in str(error):
             raise RuntimeError(

@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._probe._applied import Seen, applied_gradient
 from fullbatch._probe._capture import Capture
 from fullbatch._probe._clip import Clip, ClipObserver
+from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
 from fullbatch._probe._judge import judge
 from fullbatch._probe._measured import Measured
@@ -68,7 +69,8 @@ class Probe:
         check_objective(objective)
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.windows, self.ranks, self.stop = objective, windows, ranks, stop
-        self._capture = Capture(model, self._first_call)
+        self._early = EarlyReference(objective, self.sampler_for)
+        self._capture = Capture(model, self._first_call, on_call=self._early)
         self._clips = ClipObserver()
         self._samplers: dict[int, Sampler] = {}
         self._leftovers: dict[int, torch.Tensor] = {}
@@ -198,6 +200,7 @@ class Probe:
             return
         self._steps += 1
         calls, outer = self._capture.take()
+        self._early.new_window()
         window = WindowData(self._steps, calls, [optimizer], self._leftovers)
         self._leftovers = {}
         params = window.params
