@@ -56,7 +56,10 @@ def plain(module: nn.Module) -> bool:
     if any(type(p) is not nn.Parameter or hasattr(p, "ds_id") for p in module.parameters()):
         return False
     return not any(
-        type(m).__module__.split(".")[0] in _SHARDING or "FSDP" in type(m).__name__
+        type(m).__module__.split(".")[0] in _SHARDING
+        or type(m).__module__.startswith("torch.distributed.fsdp")
+        or "FSDP" in type(m).__name__
+        or "FullyShardedDataParallel" in type(m).__name__
         for m in module.modules()
     )
 

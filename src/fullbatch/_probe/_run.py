@@ -146,6 +146,7 @@ class Probe:
         self._done = True
         self._capture.stop()
         self._clips.stop()
+        self._early.new_window()  # a window left open: its gradients go
 
         def remove_step_hook(module: nn.Module, args: Any) -> None:
             for handle in self._handles:
