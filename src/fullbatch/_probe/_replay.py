@@ -91,7 +91,9 @@ def grads_of(loss: torch.Tensor, params: list[nn.Parameter], *, retain: bool = F
     if not loss.requires_grad:
         return [None] * len(params)
     try:
-        grads = list(torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain))
+        grads: Grads = list(
+            torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain)
+        )
     except RuntimeError as error:
         if "heckpoint" in str(error):
             raise _reentrant() from error
