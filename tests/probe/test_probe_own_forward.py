@@ -12,6 +12,8 @@ forward runs twice. Judged against the plain full batch of ``tests/_probe_cases.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ from _probe_cases import (
     objective,
     rel_error,
 )
-from fullbatch._probe import _reference
+from fullbatch._probe import _early, _reference
 from fullbatch._probe._window import WindowData
 
 SIZES = (1, 4, 2, 5)
@@ -165,3 +167,33 @@ def test_reentrant_checkpointing_is_named_not_broken() -> None:
     for micro in window:
         fb.cross_entropy_sum(plain(micro), micro["labels"])[0].backward()
     assert all(torch.equal(a, b) for a, b in zip(grads, applied(plain), strict=True))
+
+
+def test_a_windows_gradients_go_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What was taken at the forwards (a gradient-sized reference) is freed by reference
+    counting once its window is checked: no cycle waits for the garbage collector."""
+    made: list[weakref.ref[Any]] = []
+
+    def alive() -> int:
+        return sum(r() is not None for r in made)
+
+    class Tracked(_early.Taken):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(_early, "Taken", Tracked)
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc.disable()
+    try:
+        with fb.probe(objective="sample", windows=2) as probe:
+            for window in range(3):
+                accumulate(model, micro_batches(SIZES), "global")
+                assert alive() == (window < 2)  # this window's, until its step; none after
+                opt.step()
+                opt.zero_grad()
+                assert alive() == 0
+    finally:
+        gc.enable()
+    assert probe.report.ok and len(probe.report.windows) == 2

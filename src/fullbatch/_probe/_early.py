@@ -72,7 +72,9 @@ class Taken:
         params: the parameters differentiated (the sampler's: the module's trainable ones).
         ref: ``Σ_k ∇S_k`` in ``params``' order (None: no gradient yet).
         samples, counts: each call's sampled ``∇S_k`` and item count, in call order.
-        calls: the calls taken, in order (a window is served only when they are its calls).
+        calls: the ids of the calls taken, in order (a window is served only when they are its
+            calls; ids, not the calls, so that no cycle keeps the gradients alive after the
+            window: a call holds its ``Taken``, and the capture holds the calls until then).
         band, band_count, delta: the band run's (see :mod:`fullbatch._probe._reference`).
         broken: a call could not be taken: the window is replayed.
     """
@@ -81,7 +83,7 @@ class Taken:
     ref: Grads
     samples: list[torch.Tensor] = field(default_factory=list)
     counts: list[float] = field(default_factory=list)
-    calls: list[Call] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)
     band: float = 0.0
     band_count: float = 0.0
     delta: torch.Tensor | None = None
@@ -92,7 +94,7 @@ class Taken:
         return (
             not self.broken
             and len(calls) == len(self.calls)
-            and all(a is b for a, b in zip(calls, self.calls, strict=True))
+            and all(id(a) == b for a, b in zip(calls, self.calls, strict=True))
         )
 
 
@@ -175,5 +177,5 @@ class EarlyReference:
         add_into(taken.ref, grads)
         taken.samples.append(sample)
         taken.counts.append(count)
-        taken.calls.append(call)
+        taken.calls.append(id(call))
         call.early = taken
