@@ -5,7 +5,9 @@ Each recorded call is replayed (:mod:`fullbatch._probe._replay`) and its gradien
 into one gradient-sized buffer; the sum over micro-batches and ranks ``Σ_rk ∇S_rk`` is divided
 by the window's count ``N`` by the caller. Each micro-batch also leaves the sampled coordinates
 of its own ``∇S_k`` for the weight fit. Buffers (BatchNorm statistics) and the RNG streams are
-put back afterwards; ``.grad`` is never touched.
+put back afterwards; ``.grad`` is never touched. Where :mod:`fullbatch._probe._early` already
+took every call of the window at its forward (the same sums, samples and band, on the engine's
+own graphs), :func:`recompute` hands that over and replays nothing.
 
 **The band.** The first micro-batch with items (the one with most rows) is differentiated a
 second time as another engine would compute it: its loss scaled by ``1 / d`` before backward
