@@ -102,6 +102,7 @@ def rows() -> list[Row]:
         out += _splitting_rows(batch)
         out += _optimizer_rows(want)
         out += _unit_rows(batch, want)
+        out += [_scaler_row(batch, want), _weighted_row(batch)]
     return out
 
 
@@ -523,3 +524,57 @@ def _unit_rows(batch: Any, want: torch.Tensor) -> list[Row]:
             ", ".join(parts) + f"; cos {cos:.3f}",
         )
     ]
+
+
+# -- 13. a GradScaler's scale in the loss; a class-weighted loss's count ---------------------------
+
+
+def _scaler_row(batch: Any, want: torch.Tensor) -> Row:
+    """``window.backward(scaler.scale(loss_sum), n)`` without ``scaler=``."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+
+    def body(m: Any, w: Any, mi: Any) -> None:
+        s, n = correct(m, mi)
+        w.backward(scaler.scale(s), n)
+
+    now = status(lambda: one_window(body))
+    update = emulated(batch, lambda m, mi: (scaler.scale(correct(m, mi)[0]), correct(m, mi)[1]))
+    return (
+        "`window.backward(scaler.scale(loss_sum), n)` without `scaler=` (GradScaler, scale 256)",
+        now,
+        f"×{float(update.norm() / want.norm()):.0f} ({_rel(update, want):.0%})",
+    )
+
+
+#: Class weights over the vocabulary (a weighted token loss), in the loss's dtype.
+_WEIGHTS = torch.linspace(0.1, 1.0, 64, dtype=torch.float64)
+
+
+def weighted(m: Any, micro: Any, count: str = "weights") -> tuple[torch.Tensor, Any]:
+    """``F.cross_entropy(weight=w, reduction="sum")`` over the shifted tokens, with the weights'
+    sum as its count (``count="tokens"``: the unweighted count, the mistake)."""
+    out, labels = logits(m, micro)[:, :-1].flatten(0, 1), micro["labels"][:, 1:].flatten()
+    loss_sum = F.cross_entropy(out, labels, weight=_WEIGHTS, reduction="sum", ignore_index=IGNORE)
+    kept = labels[labels != IGNORE]
+    return loss_sum, _WEIGHTS[kept].sum() if count == "weights" else kept.numel()
+
+
+def _weighted_row(batch: Any) -> Row:
+    model, _ = model_and_batch()
+    out, labels = logits(model, batch)[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten()
+    want = grad(model, F.cross_entropy(out, labels, weight=_WEIGHTS, ignore_index=IGNORE))
+
+    def body(m: Any, w: Any, mi: Any) -> None:
+        w.backward(*weighted(m, mi, "tokens"))
+
+    now = status(lambda: one_window(body))
+    with fb.probe(objective=weighted, windows=1) as probe:
+        update, _, _ = one_window(body)
+    check = probe.report.windows[0]
+    says = f"{'right' if check.ok else 'WRONG'}, {check.pattern} ×{check.factor:.2f}"
+    return (
+        "class-weighted cross-entropy (`weight=w`, summed) passed with the unweighted count",
+        f"{now} (by design); `fb.probe(objective=` weighted sum, weights' sum`)`: {says}",
+        f"{_rel(update, want):.0%} (×{float(update.norm() / want.norm()):.2f}, cos "
+        f"{_cos(update, want):.3f})",
+    )

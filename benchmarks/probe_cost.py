@@ -1,24 +1,28 @@
 """What ``fb.probe`` costs: time and peak memory of a probed window vs an unprobed one.
 
-    PYTHONPATH=src python benchmarks/probe_cost.py              # about 3 minutes on 2 CPU cores
+    PYTHONPATH=src python benchmarks/probe_cost.py              # about 4 minutes on 2 CPU cores
     PYTHONPATH=src python benchmarks/probe_cost.py --rounds 5
 
 A Llama built from a config (hidden 256, 4 layers, vocabulary 4096: 5.3M float32 parameters,
 21 MiB of gradient), windows of K=8 micro-batches of 4 rows x 128 tokens, a hand-written loop
-(``loss_sum / N``, SGD). Three runs, each in a fresh process with this interpreter:
+(``loss_sum / N``, SGD). Four runs, each in a fresh process with this interpreter:
 
 - **unprobed**: 6 windows;
-- **probed**: 6 windows, all probed (``fb.probe(objective="causal_lm", windows=6)``);
+- **probed**: 6 windows, all probed (``fb.probe(objective="causal_lm", windows=6)``): each
+  micro-batch differentiated on its own forward's graph (``fullbatch._probe._early``);
+- **replayed**: the same with a callable objective that computes the same loss, so each
+  micro-batch's forward is replayed at ``step()`` (a callable runs the model itself);
 - **after**: 1 probed window, then 5 unprobed ones with the probe's hooks gone.
 
 Each run is repeated in ``--rounds`` fresh processes, in alternating order (unprobed, probed,
-after; then after, probed, unprobed; ...), so a busy machine slows every run alike; the
-table gives the median over rounds, and the range of each round's ratio to that round's
-unprobed run. Per process: the median time of windows 2-6 (the first warms up), and the
-process's peak resident memory (``ru_maxrss``) minus its resident memory before the first
-window. The probe's extra work per window is one forward and backward per micro-batch, one
-more for the rounding band, the gradient-sized reference buffer, and 16384 sampled float64
-coordinates per micro-batch.
+replayed, after; then the reverse; ...), so a busy machine slows every run alike; the table
+gives the median over rounds, and the range of each round's ratio to that round's unprobed
+run. Per process: the median time of windows 2-6 (the first warms up), as wall time and as the
+process's CPU time (one thread: the CPU time leaves out what other jobs on a shared machine
+take), and the process's peak resident memory (``ru_maxrss``) minus its resident memory before
+the first window. The probe's extra work per window: one backward per micro-batch (a replayed
+one: a forward and a backward), one more for the rounding band, the gradient-sized reference
+buffer, and 16384 sampled float64 coordinates per micro-batch.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 import fullbatch as fb
 
 K, ROWS, TOKENS, WINDOWS = 8, 4, 128, 6
-MODES = ("unprobed", "probed", "after")
+MODES = ("unprobed", "probed", "replayed", "after")
 
 
 def model() -> torch.nn.Module:
@@ -63,15 +67,24 @@ def window_data(w: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def train_window(net: torch.nn.Module, opt: torch.optim.Optimizer, data: list[dict]) -> float:
-    start = time.perf_counter()
+def train_window(
+    net: torch.nn.Module, opt: torch.optim.Optimizer, data: list[dict]
+) -> tuple[float, float]:
+    """One window's wall time and this process's CPU time (one thread: what other jobs on a
+    shared machine take away from the wall time, they leave out of the CPU time)."""
+    start, cpu = time.perf_counter(), time.process_time()
     total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in data)
     for micro in data:
         loss_sum, _ = fb.causal_lm_loss(net(input_ids=micro["input_ids"]).logits, micro["labels"])
         (loss_sum / total).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def replayed_objective(net: torch.nn.Module, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_lm`` as a callable: the probe replays each micro-batch's forward with it."""
+    return fb.causal_lm_loss(net(input_ids=micro["input_ids"]).logits, micro["labels"])
 
 
 def rss_mib() -> float:
@@ -85,10 +98,11 @@ def run(mode: str) -> dict[str, float]:
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     data = [window_data(w) for w in range(WINDOWS)]
     before = rss_mib()
-    probed = {"unprobed": 0, "probed": WINDOWS, "after": 1}[mode]
+    probed = {"unprobed": 0, "probed": WINDOWS, "replayed": WINDOWS, "after": 1}[mode]
+    objective = replayed_objective if mode == "replayed" else "causal_lm"
     times = []
     if probed:
-        with fb.probe(objective="causal_lm", windows=probed) as probe:
+        with fb.probe(objective=objective, windows=probed) as probe:
             times = [train_window(net, opt, d) for d in data]
         assert len(probe.report.windows) == probed and probe.report.ok, str(probe.report)
     else:
@@ -96,7 +110,8 @@ def run(mode: str) -> dict[str, float]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     grad = sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20
     params = sum(p.numel() for p in net.parameters()) / 1e6
-    return {"median_s": statistics.median(times[1:]), "extra_peak_mib": peak - before,
+    return {"median_s": statistics.median(t for t, _ in times[1:]),
+            "cpu_s": statistics.median(c for _, c in times[1:]), "extra_peak_mib": peak - before,
             "gradient_mib": grad, "params_m": params}  # fmt: skip
 
 
@@ -120,19 +135,21 @@ def main() -> None:
         f"windows of {K} micro-batches of {ROWS}x{TOKENS} tokens, 1 thread, {rounds} rounds"
     )
     print(
-        f"{'run':<10} {'window (median)':>16} {'vs unprobed':>12} {'(per round)':>20} "
-        f"{'peak memory above start':>25}"
+        f"{'run':<10} {'clock':<5} {'window (median)':>16} {'vs unprobed':>12} "
+        f"{'(per round)':>16} {'peak memory above start':>25}"
     )
-    times = {m: [r["median_s"] for r in rs] for m, rs in results.items()}
     peaks = {m: statistics.median(r["extra_peak_mib"] for r in rs) for m, rs in results.items()}
     for mode in MODES:
-        ratios = [t / u for t, u in zip(times[mode], times["unprobed"], strict=True)]
-        median = statistics.median(times[mode])
-        print(
-            f"{mode:<10} {median:>14.3f} s "
-            f"{median / statistics.median(times['unprobed']):>11.2f}x "
-            f"{min(ratios):>13.2f}-{max(ratios):.2f}x {peaks[mode]:>20.0f} MiB"
-        )
+        for clock, key in (("wall", "median_s"), ("cpu", "cpu_s")):
+            times = {m: [r[key] for r in rs] for m, rs in results.items()}
+            ratios = [t / u for t, u in zip(times[mode], times["unprobed"], strict=True)]
+            median = statistics.median(times[mode])
+            peak = f"{peaks[mode]:>20.0f} MiB" if clock == "wall" else ""
+            print(
+                f"{mode:<10} {clock:<5} {median:>14.3f} s "
+                f"{median / statistics.median(times['unprobed']):>11.2f}x "
+                f"{min(ratios):>9.2f}-{max(ratios):.2f}x {peak}"
+            )
     extra = peaks["probed"] - peaks["unprobed"]
     print(
         f"the probe's extra peak: {extra:.0f} MiB = {extra / base['gradient_mib']:.2f} x the "

@@ -1,7 +1,8 @@
 """How precisely ``fb.probe`` measures a window's weights, and where its judge draws the line.
 
-    PYTHONPATH=src python benchmarks/probe_judgement.py            # about 2 minutes, 2 CPU cores
+    PYTHONPATH=src python benchmarks/probe_judgement.py            # about 4 minutes, 2 CPU cores
     PYTHONPATH=src python benchmarks/probe_judgement.py --seeds 3  # a quicker look
+    PYTHONPATH=src python benchmarks/probe_judgement.py --objective sample  # one reference path
 
 Right runs (each micro-batch's summed loss divided by the window's item count ``N``) of small
 MLP classifiers, over seeds and micro-batch layouts (2 to 8 uneven micro-batches), in four
@@ -9,6 +10,10 @@ regimes: bfloat16 autocast with 7 and 256 classes (float32 parameters and gradie
 parameters (the loss and ``1 / N`` in bfloat16), float32. For each window: the largest
 ``|w_k − 1| / σ_k`` over its weights and ``|c − 1| / σ_c`` of its factor, ``σ`` the standard
 errors the probe measured on that run (``fullbatch._probe._fit``), and the probe's verdict.
+Each regime is probed twice: with the built-in ``"sample"`` objective (each micro-batch
+differentiated on its own forward's graph, the band a second backward of it:
+``fullbatch._probe._early``) and with a callable objective that computes the same loss (each
+micro-batch replayed at ``step()``, the band on its rows reversed: ``_reference``).
 The judge (``fullbatch._probe._judge``) calls a weight off beyond ``Z · σ + u``; a right run
 must never reach it. Then the wrong runs the judge exists for, each against a float64 full
 batch computed here: a bfloat16 model with a mean of per-micro-batch means, and bfloat16
@@ -60,12 +65,18 @@ def objective(model: nn.Module, micro: dict) -> Any:
     return fb.cross_entropy_sum(model(micro["x"]), micro["y"])
 
 
-def window(model: nn.Module, micro_batches: list[dict], loss: Any, autocast: bool) -> Any:
+OBJECTIVES = {"sample": "sample", "fn": objective}  # early (own forward), replayed
+
+
+def window(
+    model: nn.Module, micro_batches: list[dict], loss: Any, autocast: bool, declared: Any
+) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with fb.probe(objective=objective) as probe:
+    with fb.probe(objective=declared, windows=1) as probe:
         for micro in micro_batches:
+            x, y = micro["x"], micro["y"]  # noqa: F841 (y: the labels the probe finds)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(micro["x"])
+                logits = model(x)
             loss(logits.float() if autocast else logits, micro).backward()
         applied = [p.grad.detach().clone() for p in model.parameters()]
         opt.step()
@@ -91,14 +102,15 @@ def _mean_over(k: int) -> Any:
     return lambda logits, m: F.cross_entropy(logits, m["y"]) / k
 
 
-def right_runs(seeds: int) -> None:
+def right_runs(seeds: int, objectives: list[str]) -> None:
     print(f"Right runs, {seeds} seeds x {len(LAYOUTS)} layouts each (Z = {Z:g}):\n")
     print(
-        "| regime | windows | u | max weight (|w-1| - u)/σ | max factor |c-1|/σ "
+        "| regime | objective | windows | u | max weight (|w-1| - u)/σ | max factor |c-1|/σ "
         "| max factor (|c-1| - u)/σ | largest |c-1| (its σ) | judged wrong |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (dtype, autocast, classes, width, scale) in REGIMES.items():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (name, regime), declared in itertools.product(REGIMES.items(), objectives):
+        dtype, autocast, classes, width, scale = regime
         u = 2.0**-8 if autocast or dtype == torch.bfloat16 else 2.0**-24  # the judge's u
         zw, zc, zu, wrong, worst = [], [], [], 0, (0.0, 0.0)
         for seed, layout in itertools.product(range(seeds), LAYOUTS):
@@ -106,7 +118,7 @@ def right_runs(seeds: int) -> None:
             model = mlp(seed, dtype, width, classes)
             batches = data(sizes, seed, classes, dtype)
             n = sum(sizes)
-            check, _ = window(model, batches, _summed(n, 1.0), autocast)
+            check, _ = window(model, batches, _summed(n, 1.0), autocast, OBJECTIVES[declared])
             zw.append(
                 max(
                     (abs(w - 1) - u) / e
@@ -119,18 +131,18 @@ def right_runs(seeds: int) -> None:
                 worst = (check.factor - 1, check.factor_precision)
             wrong += not check.ok
         print(
-            f"| {name} | {len(zw)} | {u:.1e} | {max(zw):.2f} | {max(zc):.2f} | {max(zu):.2f} "
-            f"| {worst[0]:+.1e} ({worst[1]:.0e}) | {wrong} |"
+            f"| {name} | {declared} | {len(zw)} | {u:.1e} | {max(zw):.2f} | {max(zc):.2f} "
+            f"| {max(zu):.2f} | {worst[0]:+.1e} ({worst[1]:.0e}) | {wrong} |"
         )
 
 
-def wrong_runs() -> None:
+def wrong_runs(objectives: list[str]) -> None:
     print("\nWrong runs, against a float64 full batch:\n")
     print(
-        "| run | measured error | probe error | tolerance | ok | pattern | weights (± σ) "
-        "| factor (± σ) |"
+        "| run | objective | measured error | probe error | tolerance | ok | pattern "
+        "| weights (± σ) | factor (± σ) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     cases = [
         ("bf16 parameters, mean of per-micro-batch means", torch.bfloat16, False, 7, 64,
          (10, 10, 11, 10), 0, None),
@@ -139,17 +151,20 @@ def wrong_runs() -> None:
         ("bf16 autocast, every micro-batch x0.993", torch.float32, True, 256, 128,
          (24, 64, 40, 16), 1, 0.993),
     ]  # fmt: skip
-    for name, dtype, autocast, classes, width, sizes, seed, factor in cases:
+    for (name, dtype, autocast, classes, width, sizes, seed, factor), declared in itertools.product(
+        cases, objectives
+    ):
         model = mlp(seed, dtype, width, classes)
         batches = data(sizes, seed, classes, dtype)
         n = sum(sizes)
         loss = _mean_over(len(sizes)) if factor is None else _summed(n, factor)
-        check, applied = window(copy.deepcopy(model), batches, loss, autocast)
+        check, applied = window(copy.deepcopy(model), batches, loss, autocast, OBJECTIVES[declared])
         measured = reference_error(model, batches, applied)
         weights = " ".join(f"{w:.3f}" for w in check.weights)
         spread = max(check.precision)
         print(
-            f"| {name} {sizes} | {measured:.4f} | {check.error:.4f} | {check.tolerance:.4f} | "
+            f"| {name} {sizes} | {declared} | {measured:.4f} | {check.error:.4f} "
+            f"| {check.tolerance:.4f} | "
             f"{check.ok} | {check.pattern} | {weights} (± {spread:.0e}) | "
             f"{check.factor:.4f} (± {check.factor_precision:.0e}) |"
         )
@@ -158,10 +173,12 @@ def wrong_runs() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=15)
+    parser.add_argument("--objective", choices=["sample", "fn", "both"], default="both")
     args = parser.parse_args()
+    objectives = ["sample", "fn"] if args.objective == "both" else [args.objective]
     torch.set_num_threads(1)
-    right_runs(args.seeds)
-    wrong_runs()
+    right_runs(args.seeds, objectives)
+    wrong_runs(objectives)
 
 
 if __name__ == "__main__":

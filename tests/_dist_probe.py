@@ -1,10 +1,12 @@
 """Rank functions for the probe's DDP tests (importable by the forkserver), and the parent's
 plain full-batch reference over every rank's micro-batches.
 
-Each rank runs a hand-written DDP loop twice from the same parameters: without the probe, then
-under ``fb.probe``, with a comm hook counting DDP's gradient all-reduces. It returns the probe's
-report, the gradient each run was about to apply at each step, the final parameters of both
-runs and the all-reduce counts.
+Each rank runs a hand-written DDP loop three times from the same parameters: without the probe,
+then under ``fb.probe`` with a callable objective (each micro-batch replayed at ``step()``) and
+with the built-in ``"sample"`` (each micro-batch differentiated on its own forward's graph),
+with a comm hook counting DDP's gradient all-reduces. It returns the probe's report, the
+gradient each run was about to apply at each step, the final parameters of every run and the
+all-reduce counts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fullbatch as fb
 from _probe_cases import IGNORE, counted, make_net, micro_batches, objective
+from fullbatch._probe import _reference
 
 #: Micro-batch sizes per rank and window: uneven rows, and rank 0 runs one more micro-batch.
 LAYOUT = {0: [(1, 4, 2), (3, 2, 2)], 1: [(3, 2), (2, 5)]}
@@ -28,7 +31,9 @@ def data(rank: int) -> list[list[dict[str, torch.Tensor]]]:
     return [micro_batches(sizes, seed=10 * rank + w) for w, sizes in enumerate(LAYOUT[rank])]
 
 
-def _loop(rank: int, world: int, how: str, dropout: float, probed: bool) -> dict[str, Any]:
+def _loop(
+    rank: int, world: int, how: str, dropout: float, probed: bool, declared: Any = objective
+) -> dict[str, Any]:
     model = DistributedDataParallel(make_net(dropout=dropout))
     calls = {"allreduce": 0}
 
@@ -40,7 +45,7 @@ def _loop(rank: int, world: int, how: str, dropout: float, probed: bool) -> dict
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     applied: list[list[torch.Tensor]] = []
     torch.manual_seed(100 + rank)  # dropout masks differ per rank, as in real training
-    probe = fb.probe(objective=objective, windows=2) if probed else None
+    probe = fb.probe(objective=declared, windows=2) if probed else None
     if probe is not None:
         probe.__enter__()
     try:
@@ -86,7 +91,19 @@ class _nothing:
 def probe_rank(rank: int, world: int, how: str, dropout: float) -> dict[str, Any]:
     plain = _loop(rank, world, how, dropout, probed=False)
     probed = _loop(rank, world, how, dropout, probed=True)
-    return {"plain": plain, "probed": probed}
+    replays = {"n": 0}
+    original = _reference.replay
+
+    def counted_replay(*args: Any, **kwargs: Any) -> Any:
+        replays["n"] += 1
+        return original(*args, **kwargs)
+
+    _reference.replay = counted_replay  # type: ignore[assignment]
+    try:
+        builtin = _loop(rank, world, how, dropout, probed=True, declared="sample")
+    finally:
+        _reference.replay = original  # type: ignore[assignment]
+    return {"plain": plain, "probed": probed, "builtin": builtin, "replays": replays["n"]}
 
 
 def reference() -> list[torch.Tensor]:

@@ -22,12 +22,22 @@ def _rel(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 def _run(how: str, dropout: float = 0.0) -> list[dict]:
     results = values(run_ranks(cases.probe_rank, 2, how, dropout))
     for rank in results:  # the probe changed nothing: parameters bitwise, DDP's all-reduces
-        plain, probed = rank["plain"], rank["probed"]
-        assert all(
-            torch.equal(a, b) for a, b in zip(plain["params"], probed["params"], strict=True)
-        )
-        assert plain["allreduce"] == probed["allreduce"]
+        plain = rank["plain"]
+        for probed in (rank["probed"], rank["builtin"]):
+            assert all(
+                torch.equal(a, b) for a, b in zip(plain["params"], probed["params"], strict=True)
+            )
+            assert plain["allreduce"] == probed["allreduce"]
         assert (plain["allreduce"] > 0) == (how != "never sync")
+        assert rank["replays"] == 0  # no forward replayed under the built-in objective
+        # the built-in objective (each micro-batch differentiated on its own forward) judges
+        # as the replayed callable does
+        for a, b in zip(
+            rank["probed"]["report"].windows, rank["builtin"]["report"].windows, strict=True
+        ):
+            assert (a.ok, a.pattern, a.count, a.ranks) == (b.ok, b.pattern, b.count, b.ranks)
+            assert b.weights == pytest.approx(a.weights, rel=1e-6, abs=1e-9)
+            assert b.error == pytest.approx(a.error, rel=1e-6, abs=1e-12)
     return results
 
 

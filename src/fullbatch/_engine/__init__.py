@@ -12,6 +12,7 @@ One job per module, in import order (imports run downwards only, tests/package/t
   loop, told each micro-batch, backward and step; :class:`Watches`, the list built once);
 - the checks, each a ``Watch``: ``_guards`` (leftovers of a hand loop), ``_mistakes``
   (migration mistakes), ``_labels`` (labels and counts), ``_route`` (DDP's forward),
+  ``_scaled`` (a loss already scaled by a GradScaler),
   ``_loader_checks`` (the loader against the window size); ``_checks`` builds the list;
 - ``_core`` (:class:`Engine`: services, plans, watches, counters and the open window, handed
   to every helper);

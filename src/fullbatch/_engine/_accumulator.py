@@ -262,6 +262,7 @@ class Accumulator:
                 pack=pack_check,
                 scheduler_given=scheduler is not None,
                 shares=micro_plan.counts is not None,
+                scaler=step_plan.scaler,
             ),
             grad_buffers=buffers,
             batchnorm=window_bn,

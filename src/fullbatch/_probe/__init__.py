@@ -4,9 +4,12 @@ Design (read this before adding an engine). A window's check has three parts, ea
 home:
 
 - **the reference** (``_reference``): the declared objective's gradient over the window's
-  recorded micro-batches, recomputed once per window with ``torch.autograd.grad`` (no
-  ``.grad``, RNG, buffer or reducer touched) and summed over the ranks; its band run gives the
-  rounding band and a sample of the per-coordinate rounding;
+  recorded micro-batches, with ``torch.autograd.grad`` (no ``.grad``, RNG, buffer or reducer
+  touched), summed over the ranks; its band run gives the rounding band and a sample of the
+  per-coordinate rounding. Where it can (a built-in objective, logits in the output, plain
+  parameters: ``_early``) each micro-batch is differentiated at the end of its own forward,
+  on the graph the engine will backpropagate through, so no forward runs twice; otherwise the
+  window is replayed at ``step()``;
 - **the applied gradient** (``_applied``): a small protocol, ``AppliedGradient`` (``params()``,
   ``applied()``, ``leftover()``, ``unsupported()``, and the ``claims(seen)`` class method),
   one class per engine. Today one reader, ``_applied_grad`` (``.grad``: plain modules and
@@ -40,7 +43,8 @@ One job per module:
 - ``_engines``: who stepped the optimizer (declared routes, foreign engines by package);
 - ``_call_loss``: the declared objective's ``(loss_sum, count)`` per recorded call;
 - ``_replay``: one call replayed and differentiated; ``_reference``: the window's reference,
-  its band and its sum over ranks;
+  its band and its sum over ranks; ``_early``: the reference taken on the engine's own
+  forwards;
 - ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
   the ``.grad`` reader;
 - ``_sample``: the gradient coordinates the weight fit looks at;

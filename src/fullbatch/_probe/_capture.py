@@ -126,6 +126,8 @@ class Call:
             engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
             the built-in objectives use it when neither the call nor ``micro`` has labels.
         reach: whether a backward ran through the call's output (see :func:`micro_batches`).
+        early: its gradient taken at its forward (:class:`fullbatch._probe._early.Taken`),
+            or None: replayed at ``step()``.
     """
 
     module: nn.Module
@@ -137,6 +139,7 @@ class Call:
     micro: Any = None
     targets: torch.Tensor | None = None
     reach: Reach = field(default_factory=Reach)
+    early: Any = None
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
         """``(labels, already shifted)`` from the model's inputs (keywords, or a mapping passed
@@ -150,13 +153,18 @@ class Call:
         return self.targets, False
 
     def user_micro(self) -> Any:
-        """What an objective ``fn(model, micro)`` receives: the engine's micro-batch when found,
-        else the model's keyword inputs (or its one positional input)."""
+        """What an objective ``fn(model, micro)`` receives (docs/probe.md): the engine's
+        micro-batch when found (a mapping, list or tuple of the loop holding the model's
+        input), else ``(inputs, targets)`` where the loop unpacked the labels beside the input,
+        else ``inputs``: what the model received (its one positional input, or its keyword
+        inputs as a dict)."""
         if self.micro is not None:
             return self.micro
         if len(self.args) == 1 and not self.kwargs:
-            return self.args[0]
-        return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+            inputs = self.args[0]
+        else:
+            inputs = dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+        return inputs if self.targets is None else (inputs, self.targets)
 
 
 def _wrapper_kind(module: nn.Module) -> str | None:
@@ -223,13 +231,16 @@ class Capture:
     """Forward hooks that append a :class:`Call` per root forward to ``calls``.
 
     ``on_first(module, wrappers)`` runs at each module's first call of a window (before it is
-    recorded), so the gradients present before the window's first backward can be looked at.
+    recorded), so the gradients present before the window's first backward can be looked at;
+    ``on_call(call, output)`` after each call is recorded, with what the model returned (before
+    the call's :class:`Reach` hooks go on: a gradient taken there is no backward of the engine).
     ``outer`` holds every outermost module that ran with gradients since the last :meth:`take`
     (the wrappers and the modules inside them), for the window's gradient reader.
     """
 
     model: nn.Module | None
     on_first: Callable[[nn.Module, tuple[nn.Module, ...]], None]
+    on_call: Callable[[Call, Any], None] | None = None
     calls: list[Call] = field(default_factory=list)
     outer: dict[int, nn.Module] = field(default_factory=dict)
     paused: bool = False
@@ -325,7 +336,7 @@ class Capture:
         found = any(
             isinstance(v, Mapping) and ("labels" in v or "shift_labels" in v) for v in sources
         )
-        inputs = {id(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         targets = None if found or not inputs else find_labels(inputs)
         call = Call(
             module=module,
@@ -337,5 +348,7 @@ class Capture:
             micro=_copied(micro),
             targets=targets,
         )
-        call.reach.watch(output)
         self.calls.append(call)
+        if self.on_call is not None:
+            self.on_call(call, output)  # first: its autograd.grad must not look like a backward
+        call.reach.watch(output)

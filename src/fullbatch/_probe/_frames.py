@@ -5,15 +5,16 @@ Lightning ``training_step`` that calls ``self(batch["input_ids"])``, a loop that
 loss outside the model). The micro-batch they came from is still a local variable of a frame
 above the forward (``inputs``, ``batch``, ``micro``); :func:`find_micro` picks the one that holds
 the very tensors the model received; :func:`find_labels` the ``labels``/``targets`` tensor
-beside the model's input where the engine unpacked ``(inputs, targets)``. Nothing is written
-to any frame.
+beside the model's input where the engine unpacked ``(inputs, targets)``, never one whose rows
+are not the input's (a whole data set's). Nothing is written to any frame.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -22,7 +23,11 @@ import torch
 __all__ = ["find_labels", "find_micro"]
 
 _MICRO_NAMES = ("inputs", "batch", "micro", "micro_batch", "mb", "data")
-_LABEL_NAMES = ("labels", "label", "targets", "target", "y")
+#: A label's name: ``labels``, ``target``, ``y``..., bare or with a batch mark (``b_``,
+#: ``batch_``, ``_batch``, ``b``, ...): ``yb``, ``y_batch``, ``target_batch``, ``b_labels``.
+_LABEL_NAME = re.compile(
+    r"^(b_|batch_|mb_|micro_)?(labels?|targets?|tgts?|y)(b|_b|_batch|_mb|_true)?$", re.IGNORECASE
+)
 _DEPTH = 24
 _MAX_ITEMS = 256
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +48,8 @@ def _holds(value: Any, ids: set[int]) -> bool:
         return True
     if len(value) > _MAX_ITEMS:  # a data set or a table, not a micro-batch
         return False
+    if isinstance(value, dict) and "__builtins__" in value:  # a module's namespace (runpy's
+        return False  # frames hold the script's globals, and the script's variables are there)
     if isinstance(value, Mapping):
         return any(id(v) in ids for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -86,20 +93,37 @@ def find_micro(ids: set[int]) -> Any:
     return named if named is not None else mapping
 
 
-def find_labels(ids: set[int]) -> Any:
+def _label_rank(name: str) -> int | None:
+    """0 for a name a loop gives one micro-batch's labels (``yb``, ``target_batch``,
+    ``b_labels``), 1 for a bare one (``labels``, ``targets``, ``y``: maybe a whole data set's),
+    None for any other name."""
+    match = _LABEL_NAME.match(name)
+    if match is None:
+        return None
+    return 0 if match.group(1) or match.group(3) else 1
+
+
+def find_labels(inputs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Labels kept beside the model's input rather than in a mapping.
 
-    In the nearest frame above that holds one of the tensors in ``ids`` (as a local, or inside
-    a local tuple, list or mapping): a tensor named ``labels``, ``label``, ``targets``,
-    ``target`` or ``y`` that does not require gradients (a model output left from the loop's
-    previous iteration does). Engines that unpack ``(inputs, targets)`` keep them so
-    (Super-Gradients, ``for x, y in loader``).
+    In the nearest frame above that holds one of the model's tensor ``inputs`` (as a local, or
+    inside a local tuple, list or mapping; a script's top level counts: its loop variables are
+    module globals) and has such a tensor: one under a label's name (``labels``, ``targets``,
+    ``target``, ``y``, or the same with a batch mark: ``yb``, ``y_batch``, ``target_batch``,
+    ``b_labels``) that does not require gradients (a model output left from the loop's previous
+    iteration does) and whose first dimension is the input's rows (a whole data set's ``y``
+    beside a loop's ``xb`` is not its labels). A name with a batch mark wins over a bare one.
+    Engines that unpack ``(inputs, targets)`` keep them so (Super-Gradients, ``for x, y in
+    loader``, the book's ``for input_batch, target_batch in train_loader``).
 
     >>> import torch
     >>> x, targets = torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
-    >>> find_labels({id(x)}) is targets
+    >>> y = torch.zeros(50, dtype=torch.long)  # a whole data set's labels: not these rows
+    >>> find_labels([x]) is targets
     True
     """
+    ids = {id(t) for t in inputs}
+    rows = {t.shape[0] for t in inputs if t.dim()}
     frame: FrameType | None = sys._getframe(1)
     looked = 0
     while frame is not None and looked < _DEPTH:
@@ -110,9 +134,22 @@ def find_labels(ids: set[int]) -> Any:
                 id(v) in ids or (isinstance(v, (Mapping, list, tuple)) and _holds(v, ids))
                 for v in found.values()
             ):
-                for name in _LABEL_NAMES:
-                    value = found.get(name)
-                    if isinstance(value, torch.Tensor) and not value.requires_grad:
-                        return value
+                labels = _pick(found, rows)
+                if labels is not None:
+                    return labels
         frame = frame.f_back
     return None
+
+
+def _pick(found: Mapping[str, Any], rows: set[int]) -> torch.Tensor | None:
+    """The labels among one frame's variables (see :func:`find_labels`), or None."""
+    best: tuple[int, torch.Tensor] | None = None
+    for name, value in found.items():
+        rank = _label_rank(name) if isinstance(name, str) else None
+        if rank is None or not isinstance(value, torch.Tensor) or value.requires_grad:
+            continue
+        if not value.dim() or (rows and value.shape[0] not in rows):
+            continue
+        if best is None or rank < best[0]:
+            best = (rank, value)
+    return None if best is None else best[1]

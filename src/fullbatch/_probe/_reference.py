@@ -5,7 +5,9 @@ Each recorded call is replayed (:mod:`fullbatch._probe._replay`) and its gradien
 into one gradient-sized buffer; the sum over micro-batches and ranks ``Σ_rk ∇S_rk`` is divided
 by the window's count ``N`` by the caller. Each micro-batch also leaves the sampled coordinates
 of its own ``∇S_k`` for the weight fit. Buffers (BatchNorm statistics) and the RNG streams are
-put back afterwards; ``.grad`` is never touched.
+put back afterwards; ``.grad`` is never touched. Where :mod:`fullbatch._probe._early` already
+took every call of the window at its forward (the same sums, samples and band, on the engine's
+own graphs), :func:`recompute` hands that over and replays nothing.
 
 **The band.** The first micro-batch with items (the one with most rows) is differentiated a
 second time as another engine would compute it: its loss scaled by ``1 / d`` before backward
@@ -33,7 +35,7 @@ from fullbatch._probe._replay import Grads, replay, reversed_call, rows_of
 from fullbatch._probe._sample import Sampler
 from fullbatch._proof._norms import squared
 
-__all__ = ["LocalReference", "recompute", "summed_over_ranks"]
+__all__ = ["LocalReference", "add_into", "recompute", "summed_over_ranks"]
 
 
 @dataclass
@@ -73,7 +75,7 @@ def _band(
     return replay(call, objective, params, 1.0 / divisor)[0], False
 
 
-def _add(ref: Grads, grads: Grads) -> None:
+def add_into(ref: Grads, grads: Grads) -> None:
     """``ref += grads``; the first gradients are taken over, not copied, where no other
     parameter's gradient shares their memory (autograd may hand one tensor to several)."""
     storages = [g.untyped_storage().data_ptr() for g in grads if g is not None]
@@ -100,6 +102,9 @@ def recompute(
     exists, so that at most two gradients are alive at any time: the reference and the one
     backward just produced (the band run's, once, beside the first).
     """
+    early = calls[0].early if calls else None
+    if early is not None and early.serves(calls):
+        return _taken(early, params)
     rng = RngState()
     modules = list({id(c.module): c.module for c in calls}.values())
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
@@ -129,7 +134,7 @@ def recompute(
                     out.band_count = count
                     del again
                     banded = True
-                _add(out.ref, grads)
+                add_into(out.ref, grads)
                 del grads
     finally:
         with torch.no_grad():
@@ -139,6 +144,20 @@ def recompute(
     out.samples = [samples[i] for i in range(len(calls))]
     out.counts = [counts[i] for i in range(len(calls))]
     return out
+
+
+def _taken(early: Any, params: list[nn.Parameter]) -> LocalReference:
+    """The window's reference as :mod:`fullbatch._probe._early` took it at the forwards, in
+    ``params``' order (None for a parameter it did not differentiate)."""
+    by_id = {id(p): g for p, g in zip(early.params, early.ref, strict=True)}
+    return LocalReference(
+        ref=[by_id.get(id(p)) for p in params],
+        samples=list(early.samples),
+        counts=list(early.counts),
+        band=early.band,
+        band_count=early.band_count,
+        delta=early.delta,
+    )
 
 
 def _zeros(p: nn.Parameter) -> torch.Tensor:

@@ -85,21 +85,45 @@ def reversed_call(call: Call) -> Call | None:
     )
 
 
-def grads_of(loss: torch.Tensor, params: list[nn.Parameter]) -> Grads:
-    """``∂loss/∂p`` for each of ``params`` (None where unused), no ``.grad`` written."""
+def grads_of(loss: torch.Tensor, params: list[nn.Parameter], *, retain: bool = False) -> Grads:
+    """``∂loss/∂p`` for each of ``params`` (None where unused), no ``.grad`` written;
+    ``retain``: keep the graph (another backward, the engine's own, goes through it)."""
     if not loss.requires_grad:
         return [None] * len(params)
     try:
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
+        grads: Grads = list(
+            torch.autograd.grad(loss, params, allow_unused=True, retain_graph=retain)
+        )
     except RuntimeError as error:
         if "heckpoint" in str(error):
-            raise RuntimeError(
-                "the model uses reentrant activation checkpointing, which the probe's "
-                "torch.autograd.grad cannot differentiate through; use non-reentrant "
-                "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}, or "
-                "torch.utils.checkpoint(..., use_reentrant=False))."
-            ) from error
+            raise _reentrant() from error
         raise
+    if params and all(g is None for g in grads) and _reentrant_in(loss):
+        raise _reentrant()  # its parameters are not in the graph autograd.grad sees
+    return grads
+
+
+def _reentrant() -> RuntimeError:
+    return RuntimeError(
+        "the model uses reentrant activation checkpointing, which the probe's "
+        "torch.autograd.grad cannot differentiate through; use non-reentrant "
+        "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}, or "
+        "torch.utils.checkpoint(..., use_reentrant=False))."
+    )
+
+
+def _reentrant_in(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph holds a reentrant checkpoint (``CheckpointFunctionBackward``)."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if "CheckpointFunction" in type(node).__name__:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def replay(

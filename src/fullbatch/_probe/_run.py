@@ -19,6 +19,7 @@ from torch.optim import optimizer as optimizer_hooks
 from fullbatch._probe._applied import Seen, applied_gradient
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
+from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
@@ -97,7 +98,8 @@ class Probe:
         check_objective(objective)
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
-        self._capture = Capture(model, self._first_call)
+        self._early = EarlyReference(objective, self.sampler_for)
+        self._capture = Capture(model, self._first_call, on_call=self._early)
         self._clips = ClipObserver()
         self._hooks = Hooks()
         self._samplers: dict[int, Sampler] = {}
@@ -148,6 +150,7 @@ class Probe:
         self._open = None
         self._capture.stop()
         self._clips.stop()
+        self._early.new_window()  # a window left open: its gradients go
         if optimizer is None:
             self._hooks.remove_all()
         else:
@@ -212,6 +215,7 @@ class Probe:
     def _begin(self, optimizer: torch.optim.Optimizer) -> None:
         self._windows += 1
         calls, self._outer = self._capture.take()
+        self._early.new_window()
         kept, left_out = micro_batches(calls)
         window = WindowData(self._windows, kept, [], self._leftovers, no_backward=left_out)
         self._leftovers = {}

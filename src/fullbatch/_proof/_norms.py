@@ -21,10 +21,16 @@ Grads = Sequence[torch.Tensor | None]
 def squared(a: Grads, b: Grads | None = None, *, scale: float = 1.0) -> float:
     """``Σ ‖scale·a_i − b_i‖²`` (or ``Σ ‖scale·a_i‖²`` without ``b``), None as zeros, float64.
 
+    One float64 copy of each chunk of ``a``, scaled and differenced in place, and a dot product:
+    a gradient of 5M entries takes a few tens of milliseconds.
+
     >>> squared([torch.tensor([3.0, 4.0])])
     25.0
     >>> squared([torch.tensor([1.0]), None], [torch.tensor([0.5]), torch.tensor([2.0])], scale=2.0)
     6.25
+    >>> g = [torch.tensor([1.0, 2.0], dtype=torch.float64)]  # float64 input: copied, unchanged
+    >>> squared(g, [torch.zeros(2)], scale=3.0), g[0].tolist()
+    (45.0, [1.0, 2.0])
     """
     total = 0.0
     others = b if b is not None else [None] * len(a)
@@ -35,17 +41,16 @@ def squared(a: Grads, b: Grads | None = None, *, scale: float = 1.0) -> float:
         flat_y = None if y is None else y.detach().reshape(-1)
         n = (flat_x if flat_x is not None else flat_y).numel()  # type: ignore[union-attr]
         for start in range(0, n, CHUNK):
-            part = torch.zeros(min(CHUNK, n - start), dtype=torch.float64, device=_device(x, y))
-            if flat_x is not None:
-                part += flat_x[start : start + CHUNK].double() * scale
-            if flat_y is not None:
-                part -= flat_y[start : start + CHUNK].to(part.device, torch.float64)
-            total += float(part.pow(2).sum())
+            if flat_x is None:
+                part = flat_y[start : start + CHUNK].double()  # type: ignore[index]
+            else:
+                part = flat_x[start : start + CHUNK].to(torch.float64, copy=True)  # written below
+                if scale != 1.0:
+                    part.mul_(scale)
+                if flat_y is not None:
+                    part.sub_(flat_y[start : start + CHUNK].to(part.device))
+            total += float(torch.dot(part, part))
     return total
-
-
-def _device(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.device:
-    return (x if x is not None else y).device  # type: ignore[union-attr]
 
 
 def norm(a: Grads) -> float:

@@ -15,7 +15,8 @@ An *objective* says what a window's loss is, as ``Σ loss_sum / Σ count`` over 
 This module holds that rule once: :func:`objective_loss` (``(loss_sum, count)`` from logits
 and labels), :func:`objective_count` (the count alone, from the labels), :func:`logits_of` (the
 logits in a model's output), :func:`infer_objective` (a Hugging Face head's objective from its
-class name) and :func:`check_loss_output` (what a callable objective returned).
+class name, looking through a known wrapper: :func:`unwrapped`) and :func:`check_loss_output`
+(what a callable objective returned).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "CHOICES",
     "HEADS",
     "OBJECTIVES",
+    "WRAPPERS",
     "check_loss_output",
     "check_objective",
     "head_objective",
@@ -38,6 +40,7 @@ __all__ = [
     "logits_of",
     "objective_count",
     "objective_loss",
+    "unwrapped",
 ]
 
 OBJECTIVES = ("causal_lm", "token", "sample")
@@ -85,14 +88,33 @@ def head_objective(name: str | None) -> str | None:
     return None
 
 
+#: Wrappers around a Hugging Face model, by package and class: the attribute that holds it.
+#: Composer's ``HuggingFaceModel`` (a ComposerModel) keeps the transformers model as ``.model``.
+WRAPPERS: dict[tuple[str, str], str] = {("composer", "HuggingFaceModel"): "model"}
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a known wrapper (:data:`WRAPPERS`), else ``module``.
+
+    >>> unwrapped(nn.Linear(1, 1))
+    Linear(in_features=1, out_features=1, bias=True)
+    """
+    cls = type(module)
+    attribute = WRAPPERS.get((cls.__module__.split(".")[0], cls.__name__))
+    inner = getattr(module, attribute, None) if attribute else None
+    return inner if isinstance(inner, nn.Module) else module
+
+
 def infer_objective(module: nn.Module) -> str:
-    """The objective of a Hugging Face head, from its class name (not an encoder-decoder).
+    """The objective of a Hugging Face head, from its class name (not an encoder-decoder),
+    looking through a known wrapper (Composer's ``HuggingFaceModel``: its ``.model``).
 
     >>> infer_objective(nn.Linear(1, 1))
     Traceback (most recent call last):
     ...
     ValueError: objective=None: the objective of Linear cannot be inferred ...
     """
+    module = unwrapped(module)
     name = type(module).__name__
     kind = head_objective(name)
     if kind is not None and not getattr(getattr(module, "config", None), "is_encoder_decoder", 0):
