@@ -294,7 +294,7 @@ def _line(name: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"| {name} | n/a | n/a | {r['error']} | |"
     return (
-        f"| {name} | {r['new_s']:.2f} | {r['seen_s']:.2f} | "
+        f"| {name} | {r['new_s']:.3g} | {r['seen_s']:.3g} | "
         f"{r['new_tps'] / 1e3:.1f}k / {r['seen_tps'] / 1e3:.1f}k | {r['shapes']} |"
     )
 
