@@ -39,7 +39,7 @@ from typing import Any
 
 from _dist import RankResult, run_ranks, values
 
-__all__ = ["RankResult", "config", "run_ds", "set_env", "values"]
+__all__ = ["RankResult", "config", "run_ds", "set_env", "trainer_config", "values"]
 
 
 def set_env(rank: int, world: int) -> None:
@@ -116,4 +116,20 @@ def config(
         "wall_clock_breakdown": False,
     }
     out.update(extra)
+    return out
+
+
+def trainer_config(stage: int, *, offload: bool = False, clip: Any = "auto") -> dict[str, Any]:
+    """:func:`config` for the Hugging Face Trainer / Accelerate: batch sizes ``"auto"`` (filled
+    from ``TrainingArguments``), ``gradient_clipping`` = ``clip`` (``"auto"``: the Trainer's
+    ``max_grad_norm``; ``None`` leaves the key out, which DeepSpeed then fills with 1.0)."""
+    out = config(stage, offload=offload)
+    out.update(
+        train_micro_batch_size_per_gpu="auto",
+        gradient_accumulation_steps="auto",
+        train_batch_size="auto",
+        gradient_clipping=clip,
+    )
+    if clip is None:
+        del out["gradient_clipping"]
     return out

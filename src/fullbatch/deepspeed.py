@@ -61,7 +61,7 @@ from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import all_reduce_over
 from fullbatch._base._verdict import NO_ITEMS, CountedSteps, WindowCounters, WindowTotals
 
-__all__ = ["OFFLOAD_FIXED", "DeepSpeedWindow", "ExactEngine", "check_engine"]
+__all__ = ["OFFLOAD_FIXED", "DeepSpeedWindow", "ExactEngine", "check_engine", "refusal"]
 
 #: the first deepspeed release whose ZeRO 1/2 ``offload_optimizer`` accumulates every
 #: micro-batch (before it, only the first one's gradient reached the step: DeepSpeed #6550,
@@ -77,8 +77,50 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def refusal(
+    *,
+    stage: int,
+    offload: bool,
+    micro_batches: int,
+    version: str,
+    moe: bool = False,
+    sequence_parallel: bool = False,
+    half: bool = False,
+) -> str | None:
+    """Why a DeepSpeed configuration's step cannot be made exact, or ``None``.
+
+    >>> refusal(stage=2, offload=True, micro_batches=4, version="0.17.0")[:40]
+    'deepspeed 0.17.0 with ZeRO-2 offload_opt'
+    >>> refusal(stage=3, offload=True, micro_batches=4, version="0.17.0") is None
+    True
+    """
+    if moe:
+        return (
+            "the model has DeepSpeed MoE layers, whose expert gradients are averaged over the "
+            "expert-data-parallel group, not the data-parallel ranks fullbatch counts over"
+        )
+    if sequence_parallel:
+        return (
+            "sequence parallelism divides gradients by another group than the data-parallel "
+            "ranks; train with sequence_parallel_size=1"
+        )
+    if stage == 0 and half:
+        return (
+            "at ZeRO stage 0, fp16/bf16 gradients live in DeepSpeed's own mixed-precision "
+            "optimizer; use ZeRO stage 1-3 (or fp32)"
+        )
+    if stage in (1, 2) and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
+        return (
+            f"deepspeed {version} with ZeRO-{stage} offload_optimizer keeps only the first "
+            "micro-batch's gradient of every window (DeepSpeed #6550, fixed by #7967 in "
+            "0.19.0): upgrade deepspeed, or drop offload_optimizer, or use one micro-batch per "
+            "step"
+        )
+    return None
+
+
 def check_engine(engine: Any, micro_batches: int, version: str | None = None) -> None:
-    """Raise ``ValueError`` for a DeepSpeed configuration whose step cannot be made exact.
+    """Raise ``ValueError`` for an engine whose step cannot be made exact (:func:`refusal`).
 
     ``micro_batches``: backward calls per optimizer step; ``version``: deepspeed's (default:
     the installed one).
@@ -87,31 +129,16 @@ def check_engine(engine: Any, micro_batches: int, version: str | None = None) ->
         import deepspeed
 
         version = deepspeed.__version__
-    stage = int(engine.zero_optimization_stage())
-    offload = bool(engine.zero_use_cpu_optimizer())  # offload_optimizer: cpu or nvme
-    why = None
-    if getattr(engine, "has_moe_layers", False):
-        why = (
-            "the model has DeepSpeed MoE layers, whose expert gradients are averaged over the "
-            "expert-data-parallel group, not the data-parallel ranks fullbatch counts over"
-        )
-    elif getattr(engine, "seq_dp_world_size", engine.dp_world_size) != engine.dp_world_size:
-        why = (
-            "sequence parallelism divides gradients by another group than the data-parallel "
-            "ranks; train with sequence_parallel_size=1"
-        )
-    elif stage == 0 and (engine.fp16_enabled() or engine.bfloat16_enabled()):
-        why = (
-            "at ZeRO stage 0, fp16/bf16 gradients live in DeepSpeed's own mixed-precision "
-            "optimizer; use ZeRO stage 1-3 (or fp32)"
-        )
-    elif stage in (1, 2) and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
-        why = (
-            f"deepspeed {version} with ZeRO-{stage} offload_optimizer keeps only the first "
-            "micro-batch's gradient of every window (DeepSpeed #6550, fixed by #7967 in "
-            "0.19.0): upgrade deepspeed, or drop offload_optimizer, or use one micro-batch per "
-            "step"
-        )
+    why = refusal(
+        stage=int(engine.zero_optimization_stage()),
+        offload=bool(engine.zero_use_cpu_optimizer()),  # offload_optimizer: cpu or nvme
+        micro_batches=micro_batches,
+        version=version,
+        moe=bool(getattr(engine, "has_moe_layers", False)),
+        sequence_parallel=getattr(engine, "seq_dp_world_size", engine.dp_world_size)
+        != engine.dp_world_size,
+        half=bool(engine.fp16_enabled() or engine.bfloat16_enabled()),
+    )
     if why is not None:
         raise ValueError(f"fullbatch cannot make this DeepSpeed step exact: {why}.")
 
