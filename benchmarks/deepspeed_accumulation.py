@@ -91,7 +91,7 @@ def full_batch_update(world: int, uneven: bool) -> list[torch.Tensor]:
 
 
 def rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    num = sum(float((g.double() - w.double()).pow(2).sum()) for g, w in zip(got, want))
+    num = sum(float((g.double() - w.double()).pow(2).sum()) for g, w in zip(got, want, strict=True))
     return (num / sum(float(w.double().pow(2).sum()) for w in want)) ** 0.5
 
 
@@ -108,7 +108,7 @@ def full_params(module: torch.nn.Module) -> list[torch.Tensor]:
 def update_error(
     before: list[torch.Tensor], module: torch.nn.Module, want: list[torch.Tensor]
 ) -> float:
-    return rel([a - b for a, b in zip(full_params(module), before)], want)
+    return rel([a - b for a, b in zip(full_params(module), before, strict=False)], want)
 
 
 # -- raw DeepSpeed and Accelerate's plugin --------------------------------------------------
@@ -284,7 +284,7 @@ def trainer_error(kind: str, stage: int, offload: bool, world: int, exact: bool,
             return "refused: " + str(exc).split(": ", 1)[1][:48]
         trainer.train()
     # rank r read rows r*2.., r*2+world*2.. (DistributedSampler, sequential): gather them all
-    got = [a - b for a, b in zip(full_params(trainer.model_wrapped.module), before)]
+    got = [a - b for a, b in zip(full_params(trainer.model_wrapped.module), before, strict=False)]
     return rel(got, _hf_reference(kind, rows))
 
 
@@ -377,9 +377,8 @@ def main() -> None:
     for engine, stage, offload, result in rows:
         for recipe, value in result.items():
             cell = probe(engine, stage, offload) if recipe.startswith("stock") else ""
-            print(
-                f"| {engine} | {stage} | {'cpu' if offload else '-'} | {recipe} | {_cell(value)} | {cell} |"
-            )
+            where = f"| {engine} | {stage} | {'cpu' if offload else '-'} | {recipe} |"
+            print(f"{where} {_cell(value)} | {cell} |")
     sys.stdout.flush()
 
 

@@ -136,8 +136,10 @@ class ExactTrainer(Trainer):
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
             (e.g. ``"masked_lm"`` on a causal LM); settings whose loss scaling this class would
             silently override (``compute_loss_func``, ``label_smoothing_factor``,
-            DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
-            LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
+            DataParallel over several GPUs, FSDP, tensor/context parallelism, LOMO
+            optimizers); a DeepSpeed config at ZeRO stage 0 or whose ``gradient_clipping``
+            differs from ``max_grad_norm`` (ZeRO 1-3 are exact: each window is counted
+            before its forward, :meth:`exact_count`); at the first micro-batch, missing ``labels`` or labels whose
             shape does not fit the kind.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
