@@ -139,8 +139,8 @@ class ExactTrainer(Trainer):
             DataParallel over several GPUs, FSDP, tensor/context parallelism, LOMO
             optimizers); a DeepSpeed config at ZeRO stage 0 or whose ``gradient_clipping``
             differs from ``max_grad_norm`` (ZeRO 1-3 are exact: each window is counted
-            before its forward, :meth:`exact_count`); at the first micro-batch, missing ``labels`` or labels whose
-            shape does not fit the kind.
+            before its forward, :meth:`exact_count`); at the first micro-batch, missing
+            ``labels`` or labels whose shape does not fit the kind.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
 
