@@ -9,6 +9,9 @@ suite: run it in a virtual environment where the framework installs, with fullba
     torchrun --standalone --nproc-per-node 2 benchmarks/seed_frameworks.py colossalai
     python benchmarks/seed_frameworks.py super_gradients        # one process
 
+(``benchmarks/super_gradients_exact.py`` runs ``fullbatch.super_gradients.ExactTrainer``, the
+route inside Super-Gradients' own Trainer, beside its stock one.)
+
 With ``--probe`` each route also runs, unchanged, inside ``fb.probe(objective=..., windows=1)``
 (``"causal_lm"``; the two-term routes a function of both terms; ColossalAI's with ``model=`` the
 boosted model, as torch 2.5.1 has no global forward hooks with keyword arguments), and the

@@ -90,3 +90,15 @@ def test_trl_loads_each_trainer_on_first_use() -> None:
         "[]",
         "AttributeError",
     ]
+
+
+def test_fullbatch_never_imports_super_gradients() -> None:
+    """``fullbatch.super_gradients`` imports Super-Gradients (seconds, and a numpy<=1.23 pin)
+    only when it is imported itself; the core and the probe (which names Super-Gradients'
+    Trainer by its classes' package) never do."""
+    code = (
+        "import sys, fullbatch as fb\n"
+        "fb.Accumulator, fb.probe, fb.verify\n"
+        "print('fullbatch.super_gradients' in sys.modules, 'super_gradients' in sys.modules)\n"
+    )
+    assert _run(code) == ["False", "False"]

@@ -1,7 +1,8 @@
 """The end of a window, decided once for every wing: step or skip, by how much, who is told.
 
 Every wing that ends a window — the engine (``window.step()``), ``fullbatch.hf.ExactTrainer``
-and the TRL trainers, Lightning's ``ExactAccumulation``, ``fullbatch.Pipeline`` — hands the
+and the TRL trainers, Lightning's ``ExactAccumulation``, Super-Gradients'
+``fullbatch.super_gradients.ExactTrainer``, ``fullbatch.Pipeline`` — hands the
 window's reduced numbers to :func:`decide` and acts on the :class:`Verdict`; it counts the
 outcome in one :class:`WindowCounters`, which also warns about skips. The arithmetic is in
 :mod:`fullbatch._base._normalize` (``grad_factor``, ``power_of_two_scale``); nothing here
