@@ -10,8 +10,10 @@ environment DeepSpeed needs on a CPU machine before it imports ``deepspeed``:
   (nothing listens: DeepSpeed and Accelerate find the gloo group already initialized and use
   it). ``LOCAL_SIZE`` is left unset, so DeepSpeed's shared-memory all-reduce stays off and two
   test runs never share a segment; its ``deepspeed_shm_comm`` extension is still built (by
-  ninja, once, into ``TORCH_EXTENSIONS_DIR``, ~/.cache/torch_extensions by default) the first
-  time a process group is wrapped.
+  ninja, once) the first time a process group is wrapped, into ``TORCH_EXTENSIONS_DIR``:
+  unless set, one folder per Python environment (:func:`extensions_dir`), because a build
+  shared by two environments (two deepspeed versions) is rebuilt by each, and one killed
+  halfway leaves a ``lock`` file on which every later run waits forever.
 - :func:`config` writes the DeepSpeed config that runs here: fp32, a torch optimizer passed
   to ``deepspeed.initialize`` (``zero_allow_untested_optimizer``; ``zero_force_ds_cpu_optimizer
   = false`` keeps ZeRO-Offload from building ``cpu_adam``, minutes of compiling),
@@ -33,13 +35,29 @@ killed at ``deadline`` and reported as ``Timeout``.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from _dist import RankResult, run_ranks, values
 
-__all__ = ["RankResult", "config", "run_ds", "set_env", "trainer_config", "values"]
+__all__ = [
+    "RankResult",
+    "config",
+    "extensions_dir",
+    "run_ds",
+    "set_env",
+    "trainer_config",
+    "values",
+]
+
+
+def extensions_dir() -> str:
+    """``~/.cache/torch_extensions/fullbatch-<environment>``: this interpreter's build folder."""
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions", f"fullbatch-{key}")
 
 
 def set_env(rank: int, world: int) -> None:
@@ -55,6 +73,7 @@ def set_env(rank: int, world: int) -> None:
         OMP_NUM_THREADS="1",
     )
     os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed's shared-memory all-reduce stays off
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 
 def _ds_main(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
