@@ -58,12 +58,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
     ) from exc
 
-from fullbatch._base._normalize import check_count, squared_norm
+from fullbatch._base._close import read_totals
+from fullbatch._base._losses import count_tokens
+from fullbatch._base._normalize import check_count
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._base._versions import trainer_parallel_size
 from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
-from fullbatch._hf_window import KeepSchedule, end_trainer_window
+from fullbatch._hf_window import KeepSchedule, end_deepspeed_window, end_trainer_window
 from fullbatch._proof._objective import OBJECTIVES, head_objective, logits_of, objective_loss
 
 if TYPE_CHECKING:
@@ -105,9 +107,11 @@ class ExactTrainer(Trainer):
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
             (e.g. ``"token"`` on a causal LM); settings whose loss scaling this class would
             silently override (``compute_loss_func``, ``label_smoothing_factor``,
-            DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
-            LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
-            shape does not fit the kind.
+            DataParallel over several GPUs, FSDP, tensor/context parallelism, LOMO
+            optimizers); a DeepSpeed config at ZeRO stage 0 or whose ``gradient_clipping``
+            differs from ``max_grad_norm`` (ZeRO 1-3 are exact: each window is counted
+            before its forward, :meth:`exact_count`); at the first micro-batch, missing
+            ``labels`` or labels whose shape does not fit the kind.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
 
@@ -194,7 +198,10 @@ class ExactTrainer(Trainer):
             f"n_gpu={args.n_gpu} (DataParallel)": "launch one process per GPU (torchrun)"
             if args.n_gpu > 1
             else None,
-            "deepspeed": "DeepSpeed scales the loss itself; use DDP" if args.deepspeed else None,
+            "deepspeed with loss=fn": "under DeepSpeed the window is counted before its "
+            "forward; override exact_count(inputs) in a subclass to give the count"
+            if args.deepspeed and callable(self.fb_loss) and not self._counts_up_front()
+            else None,
             "fsdp": "FSDP is not supported by ExactTrainer yet; use DDP" if args.fsdp else None,
             f"optim={args.optim}": "use another optimizer (LOMO backpropagates itself)"
             if "lomo" in str(args.optim).lower()
@@ -209,6 +216,10 @@ class ExactTrainer(Trainer):
                     f"ExactTrainer normalizes the loss itself and cannot be combined with "
                     f"{setting}: {fix}."
                 )
+        if args.deepspeed:
+            from fullbatch._hf_deepspeed import check_config
+
+            check_config(type(self).__name__, args)
         if callable(self.fb_loss) or self.fb_loss is None:
             return
         check_kind(self.fb_loss, self.accelerator.unwrap_model(self.model))
@@ -232,7 +243,30 @@ class ExactTrainer(Trainer):
                 break
         self._fb_left = len(batches)
         self._fb_window = []
+        if self.is_deepspeed_enabled:  # the engine steps inside the last backward: count now
+            from fullbatch._hf_deepspeed import window_scale
+
+            self._fb_upfront = [float(check_count(self.exact_count(b))) for b in batches]
+            world = self.accelerator.num_processes
+            reduce = (lambda t: self.accelerator.reduce(t, reduction="sum")) if world > 1 else None
+            self._fb_n, self._fb_c = window_scale(self._fb_upfront, reduce, world, self.args.device)
         return batches, None
+
+    def _counts_up_front(self) -> bool:
+        return type(self).exact_count is not ExactTrainer.exact_count
+
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """The items ``exact_loss`` will sum for this micro-batch, from its labels, before the
+        forward (used under DeepSpeed, whose engine steps inside the window's last backward).
+        A subclass with its own ``exact_loss`` overrides it."""
+        if callable(self.fb_loss) or "labels" not in inputs:
+            raise ValueError(
+                "under DeepSpeed ExactTrainer counts each micro-batch before its forward, from "
+                "its 'labels'; with loss=fn or without labels, override exact_count(inputs)."
+            )
+        if self.fb_loss == "causal_lm" and inputs.get("shift_labels") is not None:
+            return count_tokens(inputs["shift_labels"], shift=False)
+        return count_tokens(inputs["labels"], shift=self.fb_loss == "causal_lm")
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -263,12 +297,33 @@ class ExactTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss_sum, count = self.exact_loss(model, inputs)
         loss_sum, count = self._validated(loss_sum, count)
-        self.accelerator.backward(loss_sum * self._fb_c)
         stats = [loss_sum.detach().double().reshape(1), count.reshape(1), *self._micro_stats()]
         self._fb_window.append(torch.cat([s.to(count) for s in stats]))
+        if self.is_deepspeed_enabled:
+            return self._deepspeed_backward(loss_sum, last)
+        self.accelerator.backward(loss_sum * self._fb_c)
         if not last:
             return torch.zeros((), device=self.args.device)
         return self._normalize(model)
+
+    def _deepspeed_backward(self, loss_sum: torch.Tensor, last: bool) -> torch.Tensor:
+        """``loss_sum · W / N`` through DeepSpeed (its 1/GA off); the engine steps at the
+        window's last micro-batch, which closes the window."""
+        from fullbatch._hf_deepspeed import check_counts, scaled
+
+        window = torch.stack(self._fb_window)
+        if last:  # the one host sync, before DeepSpeed steps
+            check_counts(type(self).__name__, window[:, 1].tolist(), self._fb_upfront)
+        self.accelerator.backward(scaled(loss_sum, self._fb_c), scale_wrt_gas=False)
+        if not last:
+            return torch.zeros((), device=self.args.device)
+        totals = window.sum(0)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        values = totals.tolist()
+        self._window_end(values)
+        verdict = end_deepspeed_window(self, self.model_wrapped, values[0], self._fb_n)
+        return torch.tensor(verdict.loss, device=self.args.device)
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """The micro-batch's loss *summed* over its items, and how many items that is.
@@ -328,8 +383,7 @@ class ExactTrainer(Trainer):
             totals = self.accelerator.reduce(totals, reduction="sum")
         # DDP synced the gradients: every rank's squared norm is the same, read with the totals.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        sq = squared_norm(grads, totals.device).to(totals).reshape(1)
-        *values, sq_total = torch.cat([totals, sq]).tolist()  # the one host sync per window
+        *values, sq_total = read_totals(totals, grads)  # the one host sync per window
         self._window_end(values)
         verdict = end_trainer_window(
             self,

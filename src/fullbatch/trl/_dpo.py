@@ -57,8 +57,8 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             ``padding_free``, an enabled MoE router auxiliary loss, a model built from a config
             without ``ref_model=`` (TRL would reload the reference from its empty
             ``_name_or_path``; the message gives the fixes), and what
-            :class:`fullbatch.trl.ExactSFTTrainer` refuses (``compute_loss_func``, DeepSpeed,
-            FSDP, LOMO).
+            :class:`fullbatch.trl.ExactSFTTrainer` refuses (``compute_loss_func``, a DeepSpeed
+            config that cannot be exact, FSDP, LOMO).
 
     Example: see ``docs/integrations_trl.md``.
 
@@ -131,6 +131,10 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         return batches, None
 
     training_step = offloaded_training_step
+
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """The micro-batch's pairs (its count in :meth:`exact_loss`), before the forward."""
+        return inputs["completion_mask"].shape[0] // 2
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """TRL's loss on this micro-batch, weighted to its share of the window's loss; returned

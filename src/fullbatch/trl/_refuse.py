@@ -34,6 +34,7 @@ def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
         else (lambda name, default=None: getattr(config, name, default))
     )
     optim = str(get("optim", ""))
+    deepspeed(trainer, config)
     refuse(
         trainer,
         {
@@ -45,9 +46,6 @@ def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
             "smoothed loss from a second forward pass as a per-micro-batch mean; set it to 0"
             if get("label_smoothing_factor", 0.0)
             else None,
-            "deepspeed": "DeepSpeed scales the loss itself; use DDP (torchrun)"
-            if get("deepspeed")
-            else None,
             "fsdp": "FSDP is not supported by fullbatch's Trainer integrations yet; use DDP"
             if get("fsdp")
             else None,
@@ -56,6 +54,15 @@ def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
             else None,
         },
     )
+
+
+def deepspeed(trainer: str, config: Any) -> None:
+    """A DeepSpeed config is exact at ZeRO 1-3 (the window counted up front); refuse, before
+    TRL builds anything, what :func:`fullbatch._hf_deepspeed.check_config` refuses."""
+    if config is not None and getattr(config, "deepspeed", None):
+        from fullbatch._hf_deepspeed import check_config
+
+        check_config(trainer, config)
 
 
 def moe_aux(trainer: str, model: Any, coef: float | None) -> None:

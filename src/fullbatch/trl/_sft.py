@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
+from fullbatch._base._losses import count_tokens
 from fullbatch.hf import ExactTrainer
 from fullbatch.trl._refuse import bind, common, moe_aux
 from fullbatch.trl._step import offloaded_training_step
@@ -40,7 +41,9 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     Raises:
         ValueError: before anything changes, settings that cannot be exact, each with the
             reason: ``compute_loss_func``, ``label_smoothing_factor``, an enabled MoE router
-            auxiliary loss, DeepSpeed, FSDP, LOMO; after ``SFTTrainer`` set up, what
+            auxiliary loss, a DeepSpeed config that cannot be exact (ZeRO stage 0, a clip
+            other than ``max_grad_norm``; see ``fullbatch.hf.ExactTrainer``), FSDP, LOMO;
+            after ``SFTTrainer`` set up, what
             :class:`fullbatch.hf.ExactTrainer` refuses (DataParallel, tensor parallelism).
 
     Example (tiny Llama, character tokenizer; the check proves the step exact):
@@ -103,6 +106,13 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         entropy = outputs.entropy.detach().sum()
         self._fb_stats = [entropy, outputs.is_top1.sum(), tokens]
         return per_token.sum(), mask.sum()
+
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """What TRL's fused head counts, before the forward: shifted labels that are not -100."""
+        shift = inputs.get("shift_labels")
+        if shift is not None:
+            return count_tokens(shift, shift=False)
+        return count_tokens(inputs["labels"], shift=True)
 
     def _micro_stats(self) -> list[torch.Tensor]:
         stats, self._fb_stats = self._fb_stats, []
