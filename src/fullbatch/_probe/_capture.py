@@ -24,8 +24,9 @@ from fullbatch._probe._frames import find_labels, find_micro
 
 __all__ = ["Call", "Capture", "autocast_state"]
 
-#: Wrappers whose forward only hands the inputs to the module inside them.
-_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel")
+#: Wrappers whose forward only hands the inputs to the module inside them (DeepSpeed's engine
+#: also hooks its output's backward: replayed through it, the probe's backward would run them).
+_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel", "DeepSpeedEngine")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -148,6 +149,7 @@ class _Frame:
     module: nn.Module
     rng: RngState | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    args: tuple[Any, ...] = ()  # as the caller passed them, before the module's own pre-hooks
 
 
 @dataclass
@@ -225,7 +227,7 @@ class Capture:
             return
         if not self.calls:
             self.on_first(module, tuple(f.module for f in self._stack))
-        self._stack.append(_Frame("root", module, RngState(), autocast_state()))
+        self._stack.append(_Frame("root", module, RngState(), autocast_state(), tuple(args)))
 
     def _post(self, module: nn.Module, args: Any, *rest: Any) -> None:
         if self.paused or not self._stack or _in_backward():
@@ -234,6 +236,7 @@ class Capture:
         if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised
             return
         kwargs, _ = rest
+        args = frame.args  # a module pre-hook may have replaced them (DeepSpeed ZeRO-3 does)
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)

@@ -10,7 +10,7 @@ from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 from torch.utils.hooks import RemovableHandle
 
-from fullbatch._probe._applied import Seen, applied_gradient
+from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._capture import Capture
 from fullbatch._probe._clip import Clip, ClipObserver
 from fullbatch._probe._engines import find_engine
@@ -77,6 +77,7 @@ class Probe:
         self._steps = 0
         self._done = False
         self._handles: list[RemovableHandle] = []
+        self._read: AppliedGradient | None = None  # the last window's reader
         self.failed: BaseException | None = None  # what the probe's own check raised
 
     # -- the report --------------------------------------------------------------------------
@@ -196,8 +197,10 @@ class Probe:
     def _check(self, optimizer: torch.optim.Optimizer) -> None:
         if self._done:
             return
-        self._steps += 1
         calls, outer = self._capture.take()
+        if not calls and self._read is not None and self._read.continues(optimizer):
+            return  # the engine steps the window's other parameter groups (DeepSpeed ZeRO)
+        self._steps += 1
         window = WindowData(self._steps, calls, [optimizer], self._leftovers)
         self._leftovers = {}
         params = window.params
@@ -206,7 +209,7 @@ class Probe:
         if engine.clip is not None:  # clipped by the engine's own multiply: as it published
             max_norm, total, coef = engine.clip
             window.clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
-        reader = applied_gradient(self._seen(window, outer))
+        reader = self._read = applied_gradient(self._seen(window, outer))
         why = reader.unsupported()
         if why is not None:
             self._problems.append(
@@ -243,7 +246,7 @@ class Probe:
         sampled = self.sampler_for(mine[0].module).params if mine else []
         extra = [p for p in sampled if id(p) not in ids]
         modules = tuple({id(c.module): c.module for c in mine}.values())
-        return Seen(tuple(params + extra), modules, outer)
+        return Seen(tuple(params), modules, outer, tuple(extra))
 
 
 def probe(

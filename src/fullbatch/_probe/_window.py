@@ -131,7 +131,8 @@ def measure(
 ) -> Measured:
     """Measure one window (see the module docstring); raises on every rank when the
     declared objective cannot be computed on one of them."""
-    params = window.params
+    read = reader.params()
+    params = read[: reader.stepped()]  # the model's: the engine may step flattened copies
     mine = window.calls_of(params)
     wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
     sync = probe_sync(wrapper, ranks)
@@ -139,12 +140,12 @@ def measure(
     sampler = sampler_for(mine[0].module) if mine else None
     failure: BaseException | None = None
     rec: LocalReference | None = None
-    read = reader.params()
     if mine:
         assert sampler is not None
         try:
             name, fn = resolve(objective, mine[0].module)
-            rec = recompute(mine, read, sampler, fn)
+            with reader.replaying():
+                rec = recompute(mine, read, sampler, fn, wrt=reader.wrt())
         except (ValueError, TypeError, RuntimeError) as raised:
             failure = raised
     m_local = sampler.size if sampler is not None else 0
@@ -167,10 +168,13 @@ def measure(
 
     ref = summed_over_ranks(rec, params, sync)  # Σ_rk ∇S_rk
     ref_norm = math.sqrt(squared(ref))
+    grads = reader.applied()
+    own = reader.clip()  # a clip the engine applied itself (DeepSpeed's gradient_clipping)
+    if own is not None:
+        window.clips.append(Clip(frozenset(id(p) for p in params), *own))
     coef = math.prod(c.coef for c in window.clips)
     if count > 0:
         torch._foreach_mul_(ref, coef / count)  # the reference, clipped as the engine did
-    grads = reader.applied()
     applied = grads[: len(params)]
     scaled_sq = squared(ref)
     error = math.sqrt(squared(applied, ref) / scaled_sq) if scaled_sq > 0 else math.nan

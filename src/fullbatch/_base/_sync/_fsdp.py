@@ -26,7 +26,7 @@ from torch import nn
 
 from fullbatch._base._sync._base import Sync
 
-__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "FsdpSync", "fsdp_mesh", "is_fsdp"]
+__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "FsdpSync", "fsdp_mesh", "is_fsdp", "unsharded_params"]
 
 FsdpSync = Literal["window", "micro_batch", "hybrid"]
 FSDP_SYNC_MODES: tuple[str, ...] = get_args(FsdpSync)
@@ -65,6 +65,21 @@ def _param_groups(model: nn.Module) -> list[Any]:
         single = getattr(state, "_fsdp_param_group", None) if plural is None else None
         groups.extend(plural if plural is not None else [single] if single is not None else [])
     return groups
+
+
+def unsharded_params(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The tensor FSDP2's forward uses for each sharded parameter of ``model`` (by the id of
+    the sharded ``DTensor`` parameter): its unsharded parameter, kept by FSDP2 from the first
+    all-gather on (its storage freed between forwards and gathered again for each), so that
+    ``torch.autograd.grad`` of a forward's loss with respect to it is this rank's whole
+    gradient, before any reduce-scatter. Parameters not yet gathered are left out."""
+    out: dict[int, nn.Parameter] = {}
+    for group in _param_groups(model):
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                out[id(fsdp_param.sharded_param)] = unsharded
+    return out
 
 
 def _divide_factor(model: nn.Module, default: float) -> float:
