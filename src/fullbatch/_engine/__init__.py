@@ -7,8 +7,9 @@ One job per module, in import order (imports run downwards only, tests/package/t
   ``accumulate_dtype``, ``batchnorm``); the sync options are ``_base._sync.SyncPlan``;
 - services: ``_guards`` (leftovers of a hand loop), ``_hooks`` (window hooks), ``_precision``
   (``accumulate_dtype``'s buffers), ``_batchnorm`` (window statistics), ``_prepared`` and
-  ``_boosted`` (Accelerate's and ColossalAI's wrapped objects), ``_dcp`` (DCP's own optimizer
-  step), ``_mistakes``, ``_labels`` and ``_route`` (migration mistakes caught before backward);
+  ``_boosted`` (Accelerate's and ColossalAI's wrapped objects; a DeepSpeed engine refused),
+  ``_dcp`` (DCP's own optimizer step), ``_mistakes``, ``_labels`` and ``_route`` (migration
+  mistakes caught before backward);
 - ``_state`` (:class:`WindowState`) and ``_core`` (:class:`Engine`: services, plans,
   counters and the open window, handed to every helper);
 - a window's life: ``_feed`` (the loader's micro-batches), ``_checkpoint`` and

@@ -12,6 +12,10 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 
+from fullbatch._hf_deepspeed import zero_stage
+from fullbatch._hf_settings import refuse_args
+from fullbatch.trl._grpo_window import EXACT_LOSSES
+
 
 def bind(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The constructor's arguments by name (``init`` is TRL's ``__init__``, unbound)."""
@@ -26,43 +30,14 @@ def refuse(trainer: str, settings: dict[str, str | None]) -> None:
             raise ValueError(f"{trainer} refuses {setting}: {why}")
 
 
-def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
-    """Refusals every fullbatch TRL trainer shares (``config``: the TRL config or None)."""
-    get = (
-        (lambda name, default=None: default)
-        if config is None
-        else (lambda name, default=None: getattr(config, name, default))
-    )
-    optim = str(get("optim", ""))
-    deepspeed(trainer, config)
-    refuse(
-        trainer,
-        {
-            "compute_loss_func": "fullbatch computes the loss sum and count itself; subclass "
-            "and override exact_loss(model, inputs) -> (loss_sum, count) instead"
-            if compute_loss_func is not None
-            else None,
-            f"label_smoothing_factor={get('label_smoothing_factor', 0.0)}": "TRL computes the "
-            "smoothed loss from a second forward pass as a per-micro-batch mean; set it to 0"
-            if get("label_smoothing_factor", 0.0)
-            else None,
-            "fsdp": "FSDP is not supported by fullbatch's Trainer integrations yet; use DDP"
-            if get("fsdp")
-            else None,
-            f"optim={optim}": "LOMO optimizers backpropagate themselves; use another optimizer"
-            if "lomo" in optim.lower()
-            else None,
-        },
-    )
-
-
-def deepspeed(trainer: str, config: Any) -> None:
-    """A DeepSpeed config is exact at ZeRO 1-3 (the window counted up front); refuse, before
-    TRL builds anything, what :func:`fullbatch._hf_deepspeed.check_config` refuses."""
-    if config is not None and getattr(config, "deepspeed", None):
-        from fullbatch._hf_deepspeed import check_config
-
-        check_config(trainer, config)
+def common(trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Refuse what every fullbatch Trainer wing refuses and an enabled MoE router loss, from
+    the arguments of TRL's ``init``; those arguments by name."""
+    given = bind(init, args, kwargs)
+    config = given.get("args")
+    refuse_args(trainer, config, compute_loss_func=given.get("compute_loss_func"))
+    moe_aux(trainer, given.get("model"), getattr(config, "router_aux_loss_coef", None))
+    return given
 
 
 def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
@@ -103,4 +78,63 @@ def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:
         f"{trainer}: TRL builds the reference model by reloading "
         f"model.config._name_or_path, which is empty for {type(model).__name__} built from a "
         f"config (not from_pretrained), so it cannot. {fix}"
+    )
+
+
+def grpo(config: Any) -> None:
+    """Refuse, before anything is built, what ExactGRPOTrainer cannot make exact."""
+    loss_type = getattr(config, "loss_type", None)
+    if loss_type == "bnpo":
+        raise ValueError(
+            "loss_type='bnpo' is defined by TRL as a mean of per-micro-batch token means, so "
+            "it has no full-batch form: it changes with the micro-batch size. Its full-batch "
+            "version is loss_type='dapo' (the window's summed per-token loss over its "
+            "completion tokens); ExactGRPOTrainer refuses 'bnpo' rather than change the "
+            "objective silently. Use GRPOConfig(loss_type='dapo')."
+        )
+    if loss_type not in EXACT_LOSSES:
+        raise ValueError(
+            f"ExactGRPOTrainer makes loss_type in {list(EXACT_LOSSES)} exact; got "
+            f"loss_type={loss_type!r}. Use one of those, or trl.GRPOTrainer for this one."
+        )
+    quantile = getattr(config, "top_entropy_quantile", 1.0)
+    if quantile < 1.0:
+        raise ValueError(
+            f"top_entropy_quantile={quantile} keeps the tokens above an entropy quantile of "
+            "each micro-batch, so the selected tokens change with the micro-batch size: no "
+            "window objective exists. Use top_entropy_quantile=1.0 with ExactGRPOTrainer."
+        )
+    refuse_args("ExactGRPOTrainer", config)  # DataParallel, FSDP1, LOMO, DeepSpeed's clip
+    if getattr(config, "deepspeed", None) and zero_stage(config) == 0:
+        raise ValueError(
+            "ExactGRPOTrainer cannot make a DeepSpeed ZeRO stage 0 step exact: the engine steps "
+            "inside TRL's backward (Accelerate's), and at stage 0 DeepSpeed applies whatever "
+            "gradient the window holds, so a window that must be skipped (no completion token, "
+            "a non-finite loss) would be applied. Use ZeRO stage 1-3, whose overflow check "
+            "skips it, or DDP."
+        )
+
+
+#: DPO loss types whose per-pair value depends on the other pairs of the batch (sorted across it).
+_BATCH_COUPLED = {"aot", "aot_unpaired"}
+
+
+def dpo(config: Any) -> None:
+    """Refuse, before anything is built, DPO settings with no full-batch form."""
+    types = getattr(config, "loss_type", ["sigmoid"]) or ["sigmoid"]
+    types = [types] if isinstance(types, str) else list(types)
+    coupled = sorted(set(types) & _BATCH_COUPLED)
+    refuse(
+        "ExactDPOTrainer",
+        {
+            f"loss_type={coupled}": "these losses sort the pairs of a batch against each "
+            "other, so no sum over micro-batches equals the full batch's; use another "
+            "loss_type or gradient_accumulation_steps=1"
+            if coupled
+            else None,
+            "padding_free=True": "pairs are counted from the padded [chosen; rejected] batch; "
+            "set padding_free=False"
+            if getattr(config, "padding_free", False)
+            else None,
+        },
     )
