@@ -51,8 +51,9 @@ from fullbatch._hf_window import (
     summed,
     wing,
 )
+from fullbatch.trl._grpo_config import check_config
 from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
-from fullbatch.trl._refuse import grpo, reference
+from fullbatch.trl._refuse import reference
 
 try:
     from trl import GRPOTrainer
@@ -111,7 +112,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
         if config is not None:  # None: TRL's default GRPOConfig (dapo), which is accepted
-            grpo(config)
+            check_config(config)
         if getattr(config, "beta", 0.0):
             reference(
                 "ExactGRPOTrainer",
