@@ -286,7 +286,8 @@ def trainer_error(kind: str, stage: int, offload: bool, world: int, exact: bool,
             if exact:
                 from fullbatch.hf import ExactTrainer
 
-                trainer: Any = ExactTrainer(**kwargs, loss=kind)
+                loss = "token" if kind == "masked_lm" else kind  # fullbatch.hf.LOSS_KINDS
+                trainer: Any = ExactTrainer(**kwargs, loss=loss)
             else:
                 trainer = Trainer(**kwargs)
         except ValueError as exc:

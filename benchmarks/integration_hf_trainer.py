@@ -46,7 +46,7 @@ ROWS, MICRO, K = 64, 4, 4
 def collate(kind: str) -> Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]:
     def fn(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = make_batches([r["input_ids"] for r in rows], batch_size=len(rows), pad_id=PAD_ID)[0]
-        if kind == "masked_lm":
+        if kind == "token":
             pos = torch.arange(batch["labels"].shape[1]).expand_as(batch["labels"])
             batch["labels"] = batch["labels"].masked_fill(pos % 3 != 0, -100)
         return batch
@@ -200,7 +200,7 @@ def main() -> None:
     cases = [
         ("tiny Llama, causal LM", llama, "causal_lm", rows, "4 x 16 rows"),
         ("tiny Llama, causal LM", llama, "causal_lm", rows[-8:], "partial: 8 rows (2 of 4)"),
-        ("tiny BERT, masked LM", bert_mlm, "masked_lm", rows, "4 x 16 rows"),
+        ("tiny BERT, masked LM", bert_mlm, "token", rows, "4 x 16 rows"),
     ]
     header = ("model", "windows", "recipe", "grad rel. L2 error, first window")
     print("| " + " | ".join(header) + " | max abs param diff, end |")

@@ -235,7 +235,7 @@ def hf_trainer(exact: bool) -> fb.probe:
         if exact:
             from fullbatch.hf import ExactTrainer
 
-            trainer: Any = ExactTrainer(**kwargs, loss="masked_lm")
+            trainer: Any = ExactTrainer(**kwargs, loss="token")
         else:
             trainer = Trainer(**kwargs)
         with fb.probe() as probe:  # objective inferred from the head: "token"

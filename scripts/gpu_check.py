@@ -24,7 +24,17 @@ reference (float64, or the hand-written loop where rounding is the point):
          flash-attn is installed): the packing check passes, the step equals the padded full
          batch
   speed  peak memory (max_memory_allocated) and median seconds per window against the hand
-         loop: within 1.02x memory and 1.05x time (``--cpu``: time only, a smoke bound)
+         loop: within 1.02x memory and 1.05x time (``--cpu``: time only, printed as "info")
+  graphs CUDA graphs through ``torch.compile(model, mode="reduce-overhead")`` with
+         ``sort_rows`` and ``pad_to_multiple_of=8`` (a graph per bucket): 3 windows equal the
+         eager run (1e-4), for fullbatch and for the hand loop on the same micro-batches
+         (CUDA only)
+  shapes shape churn (``scripts/gpu_shapes.py``): a ~168M-parameter Llama in bf16, windows of
+         64 rows of 16..2048 tokens; seconds per pass while shapes are new and once seen, for
+         the hand loop (trimmed, x128), ``micro_batch_size=8``, ``sort_rows`` and two token
+         budgets with exact widths and ``pad_to_multiple_of=64``, then per sdpa backend; its
+         table is printed after this one. Passes when every arm ran and the buckets met no
+         more shapes than exact widths (``--cpu``: a tiny model, no timing claim)
 
 Exit status: 0 every row passed or was skipped, 1 some row failed, 2 no CUDA device and no
 ``--cpu``.
@@ -59,8 +69,9 @@ Micro = dict[str, torch.Tensor]
 @dataclass
 class Row:
     name: str
-    status: str  # "pass", "FAIL" or "skip"
+    status: str  # "pass", "FAIL", "skip" or "info" (measured, not judged: --cpu timings)
     detail: str
+    table: tuple[str, ...] = ()  # printed after the check table (the shapes row's)
 
 
 # -- a model, data, references -----------------------------------------------------------------
@@ -494,11 +505,10 @@ def row_speed(device: torch.device) -> Row:
     acc.close()
     hand_s, ours_s = statistics.median(times["hand"]), statistics.median(times["fullbatch"])
     ratio = ours_s / hand_s
-    if not cuda:
-        ok = ratio < 1.5  # a smoke bound: the CPU is shared and noisy
+    if not cuda:  # measured, not judged: a shared CPU's timings are no check
         return Row(
             "speed",
-            "pass" if ok else "FAIL",
+            "info",
             f"time only: {ours_s * 1e3:.1f} ms vs hand {hand_s * 1e3:.1f} ms ({ratio:.3f}x)",
         )
     memory = peaks["fullbatch"] / peaks["hand"]
@@ -512,6 +522,69 @@ def row_speed(device: torch.device) -> Row:
     )
 
 
+def _graph_windows(device: torch.device) -> list[Micro]:
+    """3 windows of 8 rows padded to 32 tokens, right padding with a mask."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(3):
+        lengths = torch.randint(2, 33, (8,), generator=g)
+        mask = (torch.arange(32)[None, :] < lengths[:, None]).long()
+        ids = torch.randint(1, VOCAB, (8, 32), generator=g) * mask
+        item = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100),
+        }
+        out.append({k: v.to(device) for k, v in item.items()})
+    return out
+
+
+def row_graphs(device: torch.device) -> Row:
+    if device.type != "cuda":
+        return Row("graphs", "skip", "needs CUDA (torch.compile(mode='reduce-overhead'))")
+    windows = _graph_windows(device)
+    options = {"micro_batch_size": 2, "sort_rows": True, "pad_to_multiple_of": 8}
+
+    def run(graphs: bool, hand: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        model = make_model().to(device)
+        forward = torch.compile(model, mode="reduce-overhead") if graphs else model
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        with fb.Accumulator(model, opt, **options) as acc:
+            for window in acc.windows(windows):
+                if hand:  # the same micro-batches, the loop fullbatch replaces
+                    micros = list(window)
+                    window.discard()
+                    hand_window(model, forward, opt, micros, device=device)
+                    continue
+                for m in window:
+                    window.backward(*fb.causal_lm_loss(forward(m["input_ids"]), m["labels"]))
+                window.step()
+        return flat(model)
+
+    errors = {}
+    for name, hand in (("fullbatch", False), ("hand loop", True)):
+        errors[name] = rel(run(True, hand), run(False, hand))
+    ok = errors["fullbatch"] <= 1e-4
+    shown = ", ".join(f"{name} {err:.1e}" for name, err in errors.items())
+    return Row(
+        "graphs", "pass" if ok else "FAIL", f"reduce-overhead vs eager after 3 windows: {shown}"
+    )
+
+
+def row_shapes(device: torch.device) -> Row:
+    if importlib.util.find_spec("transformers") is None:
+        return Row("shapes", "skip", "transformers is not installed (pip install fullbatch[hf])")
+    import gpu_shapes  # beside this script
+
+    cpu = device.type != "cuda"
+    arms, by_backend = gpu_shapes.measure(cpu=cpu, windows=1 if cpu else 8, backend_windows=3)
+    ok, detail = gpu_shapes.verdict(arms, cpu)
+    return Row(
+        "shapes", "pass" if ok else "FAIL", detail, tuple(gpu_shapes.table(arms, by_backend))
+    )
+
+
 ROWS: dict[str, Callable[[torch.device], Row]] = {
     "nccl": row_nccl,
     "bf16": row_bf16,
@@ -520,6 +593,8 @@ ROWS: dict[str, Callable[[torch.device], Row]] = {
     "syncs": row_syncs,
     "pack": row_pack,
     "speed": row_speed,
+    "graphs": row_graphs,
+    "shapes": row_shapes,
 }
 
 
@@ -561,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row.name} | {row.status} | {row.detail} ({time.perf_counter() - start:.1f} s) |",
             flush=True,
         )
+    for row in rows:
+        if row.table:
+            print("\n".join(("", *row.table)))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 

@@ -45,7 +45,8 @@ def _loop(rank: int, world: int, how: str, dropout: float, probed: bool) -> dict
         probe.__enter__()
     try:
         for window in data(rank):
-            total = torch.tensor(float(sum(counted(m) for m in window)))
+            own = float(sum(counted(m) for m in window))
+            total = torch.tensor(own)
             dist.all_reduce(total)  # the window's count over every rank
             for i, micro in enumerate(window):
                 last = i == len(window) - 1
@@ -56,6 +57,8 @@ def _loop(rank: int, world: int, how: str, dropout: float, probed: bool) -> dict
                     if how == "mean/K":
                         mean = F.cross_entropy(logits, micro["labels"], ignore_index=IGNORE)
                         (mean / len(window)).backward()
+                    elif how == "per-rank count":  # this rank's own count, not the window's
+                        (loss_sum / own).backward()
                     else:  # DDP averages over ranks: scale by the world size
                         (loss_sum * world / total).backward()
             applied.append([p.grad.detach().clone() for p in model.parameters()])

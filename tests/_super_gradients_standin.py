@@ -186,6 +186,11 @@ def modules() -> dict[str, types.ModuleType]:
         "super_gradients.training.utils",
         "super_gradients.training.utils.callbacks",
     )
+    # Where SG 3.7.1 defines them (the probe recognises SG's Trainer by its class's package).
+    Trainer.__module__ = "super_gradients.training.sg_trainer.sg_trainer"
+    Callback.__module__ = PhaseContext.__module__ = (
+        "super_gradients.training.utils.callbacks.base_callbacks"
+    )
     out = {name: types.ModuleType(name) for name in names}
     out["super_gradients"].__version__ = "3.7.1 (stand-in)"  # type: ignore[attr-defined]
     out["super_gradients.training"].Trainer = Trainer  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ def check_kind(kind: str, model: Any) -> None:
     >>> check_kind("causal_lm", torch.nn.Linear(1, 1))
     """
     name = type(model).__name__
-    if is_encoder_decoder(model) and kind in ("causal_lm", "masked_lm"):
+    if is_encoder_decoder(model) and kind in ("causal_lm", "token"):
         raise ValueError(
             f"loss={kind!r} does not fit {name}, an encoder-decoder: its labels are the "
             "decoder's targets, aligned with its outputs, and it needs decoder_input_ids built "

@@ -83,6 +83,10 @@ class ExactEngine(CountedSteps):
     ``steps`` counts optimizer steps; ``skipped_windows`` the skipped windows (each warns).
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.deepspeed.ExactEngine"
+
     def __init__(
         self, engine: Any, *, count: Callable[[Any], Any], micro_batches: int | None = None
     ) -> None:
@@ -121,6 +125,8 @@ class ExactEngine(CountedSteps):
 
 class DeepSpeedWindow:
     """One optimizer step: iterate its micro-batches, ``backward`` each, then ``step()``."""
+
+    fullbatch_route = ExactEngine.fullbatch_route  # its step() is the frame above engine.step()
 
     def __init__(self, exact: ExactEngine, micros: list[Any]) -> None:
         self._exact = exact

@@ -28,12 +28,15 @@ loss instead:
   the windows of the logging interval. ``num_items_in_batch``, ``model_accepts_loss_kwargs``
   and ``average_tokens_across_devices`` play no part.
 
-Loss kinds (``loss=``): ``"causal_lm"`` (next-token, labels aligned with the inputs, shifted
-here; a batch's ``shift_labels`` are used as they are), ``"masked_lm"`` (token targets, no shift:
-masked LM and token classification), ``"classification"`` (one integer label per row),
-``"seq2seq"`` (encoder-decoders such as T5 and BART: decoder targets, no shift,
-``decoder_input_ids`` built from the labels as the model builds them), or a function
-``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
+Loss kinds (``loss=``), the declared objectives of ``fb.probe`` and ``fb.verify``:
+``"causal_lm"`` (next-token, labels aligned with the inputs, shifted here; a batch's
+``shift_labels`` are used as they are), ``"token"`` (token targets, no shift: masked LM and
+token classification), ``"sample"`` (one label per row: an integer class, or a float target
+under squared error), ``"seq2seq"`` (encoder-decoders such as T5 and BART: ``"token"`` on the
+decoder targets, ``decoder_input_ids`` built from the labels as the model builds them), or a
+function ``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
+(``"masked_lm"`` and ``"classification"``, the names of earlier releases, are refused with the
+name to use.)
 
 :func:`check_trainer` runs a configured Trainer on copies, one window accumulated against the
 same rows as one full batch, and says whether its accumulation is exact.
@@ -59,7 +62,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
     ) from exc
 
-from fullbatch._base._losses import count_tokens, cross_entropy_sum
 from fullbatch._base._normalize import check_count
 from fullbatch._base._verdict import WindowCounters
 from fullbatch._base._versions import trainer_parallel_size
@@ -67,6 +69,13 @@ from fullbatch._hf_deepspeed import DeepSpeedTrainerWindow
 from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
 from fullbatch._hf_settings import refuse_args
 from fullbatch._hf_window import KeepSchedule, TrainerWindow
+from fullbatch._proof._objective import (
+    OBJECTIVES,
+    head_objective,
+    logits_of,
+    objective_count,
+    objective_loss,
+)
 
 if TYPE_CHECKING:
     from fullbatch._verify._hf_check import TrainerCheck, check_trainer
@@ -74,61 +83,28 @@ if TYPE_CHECKING:
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "TrainerCheck", "check_trainer"]
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
-LOSS_KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
-
-# Trainer/model loss types (transformers' ``model.loss_type``) each built-in kind fits.
-_HEADS = {
-    "causal_lm": {"ForCausalLM"},
-    "seq2seq": set(),  # encoder-decoders: fullbatch._hf_seq2seq.check_kind
-    "masked_lm": {"ForMaskedLM", "ForTokenClassification"},
-    "classification": {
-        "ForSequenceClassification",
-        "ForImageClassification",
-        "ForAudioClassification",
-        "ForVideoClassification",
-    },
-}
-
-
-def _logits(outputs: Any) -> torch.Tensor:
-    logits = (
-        outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
-    )
-    if logits is None and isinstance(outputs, (tuple, list)):
-        logits = outputs[0]
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(
-            f"the model's outputs ({type(outputs).__name__}) carry no 'logits'; pass "
-            "loss=fn(outputs, labels) -> (loss_sum, count) to ExactTrainer."
-        )
-    return logits
+#: The declared objectives of ``fb.probe`` and ``fb.verify`` (one vocabulary), and
+#: ``"seq2seq"``: ``"token"`` on an encoder-decoder's decoder targets.
+LOSS_KINDS = (*OBJECTIVES, "seq2seq")
+#: Spellings of earlier releases, refused with the name to use.
+_RENAMED = {"masked_lm": "token", "classification": "sample"}
 
 
 def _kind_loss(kind: str, outputs: Any, labels: torch.Tensor, shifted: bool) -> tuple[Any, Any]:
-    logits = _logits(outputs)
-    if kind == "classification":
-        if labels.dim() != 1 or logits.dim() != 2:
-            raise ValueError(
-                f"loss='classification' needs one label per row (labels [rows], logits [rows, "
-                f"classes]); got labels {tuple(labels.shape)} and logits {tuple(logits.shape)}. "
-                "Token labels: use loss='masked_lm' (no shift) or loss='causal_lm'."
-            )
-        return cross_entropy_sum(logits, labels)
-    if labels.dim() < 2:
-        raise ValueError(
-            f"loss={kind!r} needs token labels [rows, tokens]; got labels of shape "
-            f"{tuple(labels.shape)}. One label per row: use loss='classification'."
-        )
-    return cross_entropy_sum(logits, labels, shift=kind == "causal_lm" and not shifted)
+    logits = logits_of(
+        outputs, fix="pass loss=fn(outputs, labels) -> (loss_sum, count) to ExactTrainer"
+    )
+    objective = "token" if kind == "seq2seq" else kind
+    return objective_loss(objective, logits, labels, shifted=shifted, arg="loss")
 
 
-def target_count(inputs: dict[str, Any], *, causal: bool) -> Any:
-    """The targets of a micro-batch: its ``shift_labels`` as given, else its ``labels``
-    (shifted for a causal LM); ``-100`` is not counted."""
-    shifted = inputs.get("shift_labels") if causal else None
-    if shifted is not None:
-        return count_tokens(shifted, shift=False)
-    return count_tokens(inputs["labels"], shift=causal)
+def target_count(inputs: dict[str, Any], kind: str) -> float:
+    """The items loss kind ``kind`` counts in a micro-batch, from its labels (a causal LM's
+    ``shift_labels`` as given), before the forward."""
+    shifted = inputs.get("shift_labels") if kind == "causal_lm" else None
+    labels = inputs["labels"] if shifted is None else shifted
+    objective = "token" if kind == "seq2seq" else kind
+    return objective_count(objective, labels, shifted=shifted is not None)
 
 
 class ExactTrainer(Trainer):
@@ -141,14 +117,14 @@ class ExactTrainer(Trainer):
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
-        loss: ``"causal_lm"``, ``"masked_lm"``, ``"classification"``, ``"seq2seq"``, or
+        loss: ``"causal_lm"``, ``"token"``, ``"sample"``, ``"seq2seq"``, or
             ``fn(outputs, labels) -> (loss_sum, count)``: the loss *summed* over the
             micro-batch's items and how many items that is (``fb.cross_entropy_sum``).
             Required unless a subclass overrides :meth:`exact_loss`.
 
     Raises:
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
-            (e.g. ``"masked_lm"`` on a causal LM); settings whose loss scaling this class would
+            (e.g. ``"token"`` on a causal LM); settings whose loss scaling this class would
             silently override (``compute_loss_func``, ``label_smoothing_factor``,
             DataParallel over several GPUs, FSDP1, tensor/context parallelism, LOMO
             optimizers); a DeepSpeed config whose ``gradient_clipping`` differs from
@@ -176,10 +152,14 @@ class ExactTrainer(Trainer):
     ...     gradient_accumulation_steps=4, use_cpu=True, report_to=[], save_strategy="no",
     ...     disable_tqdm=True)
     >>> trainer = fullbatch.hf.ExactTrainer(model=model, args=args, train_dataset=rows,
-    ...     loss="classification")
+    ...     loss="sample")
     >>> fullbatch.hf.check_trainer(trainer).passed
     True
     """
+
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.hf.ExactTrainer"
 
     def __init__(self, *args: Any, loss: str | LossFn | None = None, **kwargs: Any) -> None:
         overridden = type(self).exact_loss is not ExactTrainer.exact_loss
@@ -187,6 +167,11 @@ class ExactTrainer(Trainer):
             raise ValueError(
                 f"{type(self).__name__} needs loss=: one of {LOSS_KINDS} or a function "
                 "fn(outputs, labels) -> (loss_sum, count) (or a subclass overriding exact_loss)."
+            )
+        if isinstance(loss, str) and loss in _RENAMED:
+            raise ValueError(
+                f"loss={loss!r} is now spelled loss={_RENAMED[loss]!r} (the objective names "
+                "fb.probe and fb.verify use); same loss, same count."
             )
         if loss is not None and not callable(loss) and loss not in LOSS_KINDS:
             raise ValueError(
@@ -222,7 +207,7 @@ class ExactTrainer(Trainer):
             type(self).__name__,
             self.args,
             compute_loss_func=self.compute_loss_func,
-            uncounted_loss=callable(self.fb_loss) and not self._counts_up_front(),
+            uncounted_loss=not isinstance(self.fb_loss, str) and not self._counts_up_front(),
         )
         if trainer_parallel_size(self) > 1:  # get_cp/sp_size: absent in older transformers
             raise ValueError(
@@ -233,9 +218,8 @@ class ExactTrainer(Trainer):
             return
         check_kind(self.fb_loss, self.accelerator.unwrap_model(self.model))
         head = getattr(self.accelerator.unwrap_model(self.model), "loss_type", None)
-        known = set().union(*_HEADS.values())
-        if head in known and head not in _HEADS[self.fb_loss]:
-            fit = next(k for k, heads in _HEADS.items() if head in heads)
+        fit = head_objective(head) if isinstance(head, str) else None
+        if self.fb_loss != "seq2seq" and fit is not None and fit != self.fb_loss:
             raise ValueError(
                 f"loss={self.fb_loss!r} does not fit {type(self.model).__name__} (a {head} "
                 f"head); pass loss={fit!r}."
@@ -258,12 +242,12 @@ class ExactTrainer(Trainer):
         """The items ``exact_loss`` will sum for this micro-batch, from its labels, before the
         forward (used under DeepSpeed, whose engine steps inside the window's last backward).
         A subclass with its own ``exact_loss`` overrides it."""
-        if callable(self.fb_loss) or "labels" not in inputs:
+        if not isinstance(self.fb_loss, str) or "labels" not in inputs:
             raise ValueError(
                 "under DeepSpeed ExactTrainer counts each micro-batch before its forward, from "
                 "its 'labels'; with loss=fn or without labels, override exact_count(inputs)."
             )
-        return target_count(inputs, causal=self.fb_loss == "causal_lm")
+        return target_count(inputs, self.fb_loss)
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None

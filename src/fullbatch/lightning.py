@@ -138,6 +138,10 @@ class ExactAccumulation(CountedSteps, pl.Callback):
         (0, 0, 0)
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.lightning.ExactAccumulation"
+
     def __init__(self, *, log_name: str | None = "train_loss", grad_divisor: float | None = None):
         if grad_divisor is not None and not (math.isfinite(grad_divisor) and grad_divisor > 0):
             raise ValueError(f"grad_divisor must be a finite number > 0, got {grad_divisor!r}")

@@ -227,6 +227,8 @@ class ExactTrainer(Trainer):
     ValueError: batchnorm must be None or 'window', got 'running'
     """
 
+    fullbatch_route = "fullbatch.super_gradients.ExactTrainer"  # what fb.probe names it
+
     def __init__(self, *args: Any, batchnorm: str | None = None, **kwargs: Any) -> None:
         if batchnorm not in _BATCHNORM:
             raise ValueError(f"batchnorm must be None or 'window', got {batchnorm!r}")

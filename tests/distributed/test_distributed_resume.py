@@ -47,8 +47,13 @@ def test_a_loader_at_the_wrong_position_on_one_rank_is_refused_on_every_rank() -
     check), nothing changes, and the correct resume that follows equals the uninterrupted run."""
     spec = {"wrapper": "ddp", "layout": LAYOUT, "k": 3, "options": {}, "stop": (1, 2)}
     spec["wrong_rank"] = 1
-    for res in values(run_ranks(cases.resume_run, 2, spec)):
-        assert "does not start at state['loader_items'] = 3 on rank(s) [1]" in res["refused"]
+    results = values(run_ranks(cases.resume_run, 2, spec))
+    assert results[0]["refused"] == results[1]["refused"]  # one message, word for word
+    for res in results:
+        assert res["refused"].startswith(
+            "On rank(s) [1]: the loader given to acc.windows() does not start at "
+            "state['loader_items'] = 3 (its first item is not the item saved at 3"
+        ), res["refused"]
         got, want = res["resumed"], res["uninterrupted"]
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
 
@@ -106,10 +111,11 @@ def test_resume_checks_raise_on_every_rank_and_the_right_resume_is_bitwise(tmp_p
         "ddp_older_window": "The ranks loaded the states of different windows (acc.steps=1 on "
         "rank(s) [0], acc.steps=0 on rank(s) [1])",
     }
-    for rank, res in enumerate(values(results)):
+    every = values(results)
+    for rank, res in enumerate(every):
         for name, text in expected.items():
-            assert res[name].startswith("ResumeMismatch: "), (rank, name, res[name])
-            assert text in res[name], (rank, name, res[name])
+            assert res[name] == every[0][name], (name, every)  # the same message on every rank
+            assert res[name].startswith(f"ResumeMismatch: {text}"), (rank, name, res[name])
         assert res["done"] == 3 and res["loader_items"] == 4  # rank 0: 2 real + 1 padding
         assert torch.equal(res["resumed"], res["uninterrupted"]), rank
         assert res["dcp_in_window"], rank

@@ -1,6 +1,6 @@
 """Length-aware micro-batches on 2 gloo ranks: each rank packs its own rows, ranks get
 different micro-batch counts, and every rank's parameters after every step equal the float64
-full-batch reference."""
+full-batch reference (``pad_to_multiple_of`` too)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ OPTIONS = [
     {"micro_batch_tokens": 30},
     {"micro_batch_tokens": 1},  # every row a micro-batch of its own
     {"micro_batch_size": 3, "sort_rows": True},
+    # widths rounded to 12: past the window's 16 columns for rows of 13 or 14 tokens
+    {"micro_batch_tokens": 30, "pad_to_multiple_of": 12},
 ]
 
 

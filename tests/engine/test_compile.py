@@ -9,6 +9,10 @@ the ones DDP's own forward has. The loss helpers compile with the model without 
 (their label check is a device assertion inside ``torch.compile``). The ``aot_eager``
 backend: guards, graph breaks and recompiles are decided by dynamo, whatever the backend; it
 compiles in seconds.
+
+With ``pad_to_multiple_of`` (buckets), a model compiled with static shapes
+(``dynamic=False``, what CUDA graphs and the fastest kernels want) compiles once per bucket and
+never again: one graph per distinct (rows, width), where exact widths need one per width.
 """
 
 from __future__ import annotations
@@ -67,6 +71,60 @@ def test_trimmed_shapes_recompile_as_the_hand_loop_does() -> None:
     assert mine["graph_breaks"] == theirs["graph_breaks"] == []
     assert len(mine["recompiles"]) == len(theirs["recompiles"]), (mine, theirs)
     assert mine["graphs"] == theirs["graphs"]
+
+
+def _bucket_windows() -> list[dict[str, torch.Tensor]]:
+    """2 windows of 8 rows padded to 24 columns, rows of 2..24 tokens: many exact widths."""
+    return [lm_data(1, rows=8, length=24, seed=w)[0] for w in range(2)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"micro_batch_size": 2, "sort_rows": True},
+        {"micro_batch_tokens": 48},
+    ],
+    ids=["sort_rows", "micro_batch_tokens"],
+)
+def test_static_shapes_compile_once_per_bucket(options: dict) -> None:
+    """dynamic=False: a graph per distinct (rows, width); buckets keep them few."""
+
+    def run(multiple: int | None) -> tuple[dict, set[tuple[int, ...]]]:
+        seen: list[list[dict[str, torch.Tensor]]] = []
+
+        def ours() -> None:
+            torch.manual_seed(0)
+            model = TinyLM()
+            compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+            cases.with_fullbatch(model, compiled, _bucket_windows(), seen,
+                                 pad_to_multiple_of=multiple, **options)  # fmt: skip
+
+        with torch._dynamo.config.patch(recompile_limit=64):  # count them all, no fallback
+            counted = cases.dynamo_counts(ours)
+        return counted, {tuple(m["input_ids"].shape) for w in seen for m in w}
+
+    bucketed, buckets = run(8)
+    exact, widths = run(None)
+    assert {w for _, w in buckets} <= {8, 16, 24}
+    # one compile per bucket: the first is a compile, every other one a recompile
+    assert len(bucketed["recompiles"]) == len(buckets) - 1 == bucketed["graphs"] - 1
+    assert len(exact["recompiles"]) == len(widths) - 1 > len(buckets)
+    assert bucketed["graph_breaks"] == exact["graph_breaks"] == []
+
+
+def test_default_dynamic_shapes_recompile_once_with_or_without_buckets() -> None:
+    """dynamo's default (automatic dynamic shapes): the first new width recompiles with that
+    dimension dynamic; later shapes reuse that graph."""
+    for multiple in (None, 8):
+
+        def ours(multiple: int | None = multiple) -> None:
+            torch.manual_seed(0)
+            model = TinyLM()
+            cases.with_fullbatch(model, _compiled(model), _bucket_windows(), micro_batch_size=2,
+                                 sort_rows=True, pad_to_multiple_of=multiple)  # fmt: skip
+
+        counted = cases.dynamo_counts(ours)
+        assert len(counted["recompiles"]) <= 1 and counted["graph_breaks"] == [], counted
 
 
 def test_ddp_sync_toggling_does_not_recompile() -> None:

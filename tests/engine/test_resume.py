@@ -327,7 +327,7 @@ def test_a_scheduler_left_unloaded_raises() -> None:
     assert states is not None
     _, _, _, acc = build("micro_batches")
     acc.load_state_dict(states[3])
-    with pytest.raises(RuntimeError, match="load the scheduler's state_dict too"):
+    with pytest.raises(RuntimeError, match="Load the scheduler's state_dict too"):
         next(iter(acc.windows(LOADERS["micro_batches"][K:])))
 
 

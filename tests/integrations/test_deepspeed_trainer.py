@@ -31,16 +31,16 @@ RUNS = {
         (2, True, "causal_lm", "causal_lm", "auto"),
         (3, False, "causal_lm", "causal_lm", "auto"),
         (3, True, "causal_lm", "causal_lm", "auto"),
-        (2, True, "masked_lm", "masked_lm", "auto"),
-        (3, False, "masked_lm", "masked_lm", "auto"),
+        (2, True, "masked_lm", "token", "auto"),
+        (3, False, "masked_lm", "token", "auto"),
         (2, False, "masked_lm", None, "auto"),  # stock: the head drops num_items_in_batch
         (2, False, "causal_lm", None, None),  # stock, gradient_clipping left out
     ],
     2: [
-        (0, False, "masked_lm", "masked_lm", "auto"),
+        (0, False, "masked_lm", "token", "auto"),
         (2, True, "causal_lm", "causal_lm", "auto"),
         (3, False, "causal_lm", "causal_lm", "auto"),
-        (3, True, "masked_lm", "masked_lm", "auto"),
+        (3, True, "masked_lm", "token", "auto"),
     ],
 }
 ROWS = {1: 16, 2: 32}

@@ -168,6 +168,34 @@ def test_packed_steps_equal_the_full_batch(kind: str) -> None:
     assert report.passed and report.leak == 0.0 and report.grad_error <= report.tolerance
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_packed_rows_rounded_up_equal_the_full_batch(kind: str) -> None:
+    """pad_to_multiple_of=8: each packed row ends in a padding sequence of its own; the
+    packing check passes on it (window.run), and the plain loop's check too."""
+    batches = [window(seed) for seed in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, acc = fullbatch_run(kind, batches, pack=True, pad_to_multiple_of=8)
+        exact, _ = fullbatch_run(kind, batches, pack=True)
+    assert worst(got, exact) < 1e-10
+    report = acc._engine.pack_check.report
+    assert report.passed and report.leak == 0.0
+    model = tiny(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plain loop's check passes silently
+        with fb.Accumulator(
+            model, opt, micro_batch_tokens=TOKENS, pack=True, pad_to_multiple_of=8
+        ) as loop:
+            for win in loop.windows(batches):
+                for micro in win:
+                    assert micro["input_ids"].shape[1] % 8 == 0
+                    win.backward(*packed_loss(model, micro))
+                win.step()
+    assert not loop._engine.pack_check.pending
+    assert worst([[p.detach() for p in model.parameters()]], got[-1:]) < 1e-10
+
+
 @pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=new_packing)])
 def test_verify_passes_the_documented_form(kind: str) -> None:
     model = tiny(kind)

@@ -106,7 +106,7 @@ def test_head_that_drops_num_items_in_batch(rows: list[Any]) -> None:
         assert min(stock_errors) > 1.0, stock_errors  # roughly K times the full-batch step
     full = run(make, rows, "masked_lm", k=1, batch=16)  # the stock full batch is right
     assert max(step_errors(full, ref, make())) < F64_TOL
-    exact = run(make, rows, "masked_lm", k=4, batch=4, exact="masked_lm")
+    exact = run(make, rows, "masked_lm", k=4, batch=4, exact="token")
     assert max(step_errors(exact, ref, make())) < F64_TOL
     _losses_close(exact["losses"], ref["losses"])
 
@@ -117,7 +117,7 @@ def test_sequence_classification(rows: list[Any]) -> None:
     if STOCK_AS_ON_CI:
         stock = run(make, rows, "classification", k=4, batch=4)
         assert min(step_errors(stock, ref, make())) > 1.0
-    exact = run(make, rows, "classification", k=4, batch=4, exact="classification")
+    exact = run(make, rows, "classification", k=4, batch=4, exact="sample")
     assert max(step_errors(exact, ref, make())) < F64_TOL
     _losses_close(exact["losses"], ref["losses"])
 
@@ -200,7 +200,7 @@ def test_check_trainer(tmp_path: Any, rows: list[Any]) -> None:
     assert not stock.passed
     assert "FAILED" in str(stock) and "4.00x" in stock.reason
     assert "ExactTrainer" in stock.reason  # the fix
-    exact_trainer = _trainer(tmp_path, model, "classification", exact="classification")
+    exact_trainer = _trainer(tmp_path, model, "classification", exact="sample")
     good = fbhf.check_trainer(exact_trainer, rows)
     assert good.passed, str(good)
     assert "PASSED" in str(good) and good.accumulated.global_rel_error < F64_TOL
@@ -227,9 +227,12 @@ def test_refused_settings(tmp_path: Any, rows: list[Any]) -> None:
     with pytest.raises(ValueError, match="not one of"):
         _trainer(tmp_path, llama(), "causal_lm", exact="causal")
     with pytest.raises(ValueError, match="pass loss='causal_lm'"):
-        _trainer(tmp_path, llama(), "causal_lm", exact="masked_lm")
-    with pytest.raises(ValueError, match="pass loss='classification'"):
-        _trainer(tmp_path, bert("classification"), "classification", exact="masked_lm")
+        _trainer(tmp_path, llama(), "causal_lm", exact="token")
+    with pytest.raises(ValueError, match="pass loss='sample'"):
+        _trainer(tmp_path, bert("classification"), "classification", exact="token")
+    for old, new in (("masked_lm", "token"), ("classification", "sample")):
+        with pytest.raises(ValueError, match=f"loss='{old}' is now spelled loss='{new}'"):
+            _trainer(tmp_path, llama(), "causal_lm", exact=old)
     with pytest.raises(ValueError, match="compute_loss_func"):
         _trainer(tmp_path, llama(), "causal_lm", exact="causal_lm", compute_loss_func=print)
     args = training_args(str(tmp_path), k=2, batch=2, label_smoothing_factor=0.1)
@@ -264,7 +267,7 @@ def test_classification_loss_refuses_token_labels(tmp_path: Any, rows: list[Any]
 
     logits = torch.zeros(2, 5, 7)
     with pytest.raises(ValueError, match="one label per row"):
-        _kind_loss("classification", {"logits": logits}, torch.zeros(2, 5, dtype=torch.long), False)
+        _kind_loss("sample", {"logits": logits}, torch.zeros(2, 5, dtype=torch.long), False)
 
 
 def test_ddp_two_ranks_equal_full_batch() -> None:
@@ -348,7 +351,7 @@ def test_check_trainer_removes_unused_columns(tmp_path: Any) -> None:
     ]
     args = training_args(str(tmp_path), k=4, batch=2, remove_unused_columns=True)
     model = bert("classification")
-    trainer = fbhf.ExactTrainer(model=model, args=args, train_dataset=rows, loss="classification")
+    trainer = fbhf.ExactTrainer(model=model, args=args, train_dataset=rows, loss="sample")
     check = fbhf.check_trainer(trainer)
     assert check.passed, str(check)
     assert check.rows == 8 and check.micro_batches == 4

@@ -325,3 +325,21 @@ def test_other_misuse_is_refused(sg: Any, tmp_path: Any) -> None:
     with pytest.raises(RuntimeError, match="ExactTrainer"):
         train(make(sg.Trainer, tmp_path), sg.SummedLoss(pixel_sum), images(8), 4, 1, net=net)
     assert torch.equal(flat(net), before)
+
+
+# -- what fb.probe says about each route ---------------------------------------------------
+
+
+def test_the_probe_names_each_route_and_the_fix(sg: Any, tmp_path: Any) -> None:
+    """The stock Trainer: wrong, and the fix names this wing; the wing: right, named by its own
+    declaration (``fullbatch_route``), not taken for fullbatch.hf.ExactTrainer."""
+    data = images(4 * PER_MICRO)
+    with fullbatch.probe(objective="token", windows=1) as probe:
+        train(make(sg.Trainer, tmp_path), PixelMeanLoss(), data, 4, 1)
+    window = probe.report.windows[0]
+    assert not probe.report.ok and window.engine == "Super-Gradients"
+    assert "fullbatch.super_gradients.ExactTrainer in place of Trainer" in window.diagnosis
+    with fullbatch.probe(objective="token", windows=1) as probe:
+        train(make(sg.ExactTrainer, tmp_path), sg.SummedLoss(pixel_sum), data, 4, 1)
+    assert probe.report.ok, str(probe.report)
+    assert probe.report.windows[0].engine == "fullbatch.super_gradients.ExactTrainer"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-ROWS = {"nccl", "bf16", "fp16", "oom", "syncs", "pack", "speed"}
+ROWS = {"nccl", "bf16", "fp16", "oom", "syncs", "pack", "speed", "graphs", "shapes"}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,14 +23,35 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _tables(stdout: str) -> list[list[list[str]]]:
+    """The markdown tables printed (header row first, separator left out), in order."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*stdout.splitlines(), ""]:
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                current.append([cell.strip() for cell in line.split("|")[1:-1]])
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
 def test_cpu_smoke_rows_pass() -> None:
     done = _run("--cpu")
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ")]
-    status = {name.strip(): result.strip() for name, result, _ in rows[1:]}
+    checks, shapes = _tables(done.stdout)[:2]
+    status = {row[0]: row[1] for row in checks[1:]}
     assert set(status) == ROWS, done.stdout
-    assert status.pop("syncs") == "skip"  # needs CUDA
+    assert status.pop("syncs") == status.pop("graphs") == "skip"  # need CUDA
+    assert status.pop("speed") == "info"  # timed on a shared CPU: printed, never judged
     assert set(status.values()) == {"pass"}, done.stdout
+    # the shape-churn table: every arm, new and seen seconds, its distinct shapes
+    arms = {row[0]: row for row in shapes[1:]}
+    assert len(arms) == 9 and "sort_rows=True, pad_to_multiple_of=64" in arms, done.stdout
+    assert all(
+        float(row[1]) > 0 and float(row[2]) > 0 and int(row[4]) >= 1 for row in arms.values()
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -102,3 +102,13 @@ def test_fullbatch_never_imports_super_gradients() -> None:
         "print('fullbatch.super_gradients' in sys.modules, 'super_gradients' in sys.modules)\n"
     )
     assert _run(code) == ["False", "False"]
+
+
+def test_the_probe_does_not_import_the_engine() -> None:
+    """Checking code that does not use ``fb.Accumulator`` loads neither it nor ``fb.verify``:
+    the probe and verify share ``fullbatch._proof`` instead."""
+    code = (
+        "import sys, fullbatch._probe._run\n"
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('fullbatch.')}))\n"
+    )
+    assert _run(code) == ["['_base',", "'_probe',", "'_proof']"]

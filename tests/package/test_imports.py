@@ -1,8 +1,9 @@
 """Imports run one way: a walk over every ``import`` in ``src/fullbatch`` (ast, not runtime).
 
 Counted: module-level imports, imports under ``if TYPE_CHECKING:`` and imports inside
-functions. The floors: ``_base`` (leaves) < ``_engine`` < wings (``_verify``, ``_demo``) and
-public modules (``hf``, ``lightning``, ``trl``, ``testing``, ``cli``).
+functions. The floors: ``_base`` (leaves) < ``_engine`` and ``_proof`` (the proof core,
+which imports ``_base`` alone) < wings (``_verify``, ``_probe``, ``_demo``) and public
+modules (``hf``, ``lightning``, ``trl``, ``testing``, ``cli``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,19 @@ def test_floors_import_downwards() -> None:
         if _floor(target) > _floor(name) and name != "fullbatch"
     ]
     assert up == [], "a leaf imports the engine, or the engine imports a wing"
+
+
+def test_the_proof_core_imports_the_leaves_alone() -> None:
+    """``_proof`` is shared by verify, the probe and the wings: it never loads the engine."""
+    above = [
+        f"{name} -> {target}"
+        for name, targets in EDGES.items()
+        if name.startswith("fullbatch._proof")
+        for target in targets
+        if not target.startswith(("fullbatch._base", "fullbatch._proof"))
+    ]
+    assert above == []
+    assert any(t.startswith("fullbatch._base") for t in EDGES["fullbatch._proof._objective"])
 
 
 def test_function_local_imports_only_where_the_cli_stays_light() -> None:

@@ -84,6 +84,7 @@ ACCUMULATOR_OPTIONS = {
         "micro_batch_size": None,
         "micro_batch_tokens": None,
         "sort_rows": False,
+        "pad_to_multiple_of": None,
         "lengths": "attention_mask",
         "token_keys": None,
         "pack": False,

@@ -110,7 +110,7 @@ def test_script_that_raises_shows_its_traceback_and_exits_1(folder: Path) -> Non
     [
         (["--", "python", "missing.py"], "no such script: missing.py"),
         (["--windows", "0", "--", "python", "train.py"], "expected a positive integer"),
-        (["--objective", "obj.py:nope", "--", "python", "train.py"], "has no function nope"),
+        (["--objective", "obj.py:nope", "--", "python", "train.py"], "has no attribute 'nope'"),
         (["--objective", "mean", "--", "python", "train.py"], "expected one of causal_lm"),
         ([], "no training command"),
         (["--", "python", "train.py", "right"], "the objective of Linear cannot be inferred"),

@@ -58,6 +58,23 @@ def test_mean_of_means_across_ranks_is_flagged_on_every_rank() -> None:
         assert "of rank 1" in first.diagnosis or "of rank 0" in first.diagnosis
 
 
+def test_each_rank_dividing_by_its_own_count_is_named_on_every_rank() -> None:
+    """Each rank divides its loss sum by its own item count and DDP averages the ranks: the
+    micro-batches of rank r weigh N / (W · N_r). Named "per-rank count" (it was "other")."""
+    results = _run("per-rank count")
+    ref = cases.reference()
+    own = {r: [cases.counted(m) for m in cases.data(r)[0]] for r in sorted(cases.LAYOUT)}
+    n = sum(sum(c) for c in own.values())
+    expected = [n / (2 * sum(own[r])) for r in sorted(own) for _ in own[r]]
+    assert len(set(expected)) == 2  # the ranks hold different counts
+    for rank in results:
+        first = rank["probed"]["report"].windows[0]
+        assert not first.ok and first.pattern == "per-rank count", first.diagnosis
+        assert first.weights == pytest.approx(expected, rel=1e-6)
+        assert first.error == pytest.approx(_rel(rank["probed"]["applied"][0], ref), rel=1e-9)
+        assert "rank 0's micro-batches weighted" in first.diagnosis
+
+
 def test_ranks_that_never_sync_differ_and_fail_on_every_rank() -> None:
     results = _run("never sync")
     assert not torch.equal(results[0]["plain"]["params"][0], results[1]["plain"]["params"][0])

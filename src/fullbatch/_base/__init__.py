@@ -9,7 +9,8 @@ They import nothing from the rest of fullbatch but each other:
   gradients or skip the framework's step);
 - ``_sync``: everything that talks to ``torch.distributed`` (a package);
 - cutting loader items: ``_split`` (rows), ``_take`` (rows taken on the device),
-  ``_sort_trim`` (rows sorted by length and trimmed), ``_packed`` (rows packed into one
+  ``_sort_trim`` (rows sorted by length and trimmed), ``_widths`` (``pad_to_multiple_of``:
+  widths on a grid, padded with each key's own padding), ``_packed`` (rows packed into one
   sequence), ``_row_boundaries`` (does packing respect row boundaries on a model),
   ``_autosize`` (where an ``"auto"`` size stands), ``_rows`` (``fb.row_windows``);
 - ``_losses`` (summed losses and counts), ``_stats`` (:class:`StepStats`), ``_lr``

@@ -61,10 +61,10 @@ def check_count(count: Any) -> float | torch.Tensor:
             raise ValueError(f"count must be a 0-dim tensor, got shape {tuple(count.shape)}. {fix}")
         if count.dtype == torch.bool or count.is_complex():
             raise ValueError(f"count has dtype {count.dtype}, not a real number. {fix}")
-        count = count.detach().reshape(())
-        if count.device.type != "cpu":
-            return count
-        value = float(count)
+        if not count.is_cpu:  # kept as a 0-dim tensor, checked at the step (no host sync)
+            count = count.detach()
+            return count if count.dim() == 0 else count.reshape(())
+        value = float(count)  # a CPU tensor: read now (no detach nor reshape: ~5 us each call)
     elif isinstance(count, Real) and not isinstance(count, bool):
         value = float(count)
     else:

@@ -11,8 +11,13 @@ and ``use_cache=False``. A transformers causal LM that supports packed sequences
 the exact step from ``model(**{k: v for k, v in micro.items() if k != "labels"})``.
 
 Rows are never split or truncated: a row longer than ``T`` is a micro-batch of its own (warned
-once). Empty rows (length 0) hold no token and are left out. Per-row tensors (a label per row)
-cannot follow their tokens into one packed row and are refused with the fix.
+once). With ``pad_to_multiple_of=m`` (:mod:`fullbatch._base._widths`) each packed row's length
+is rounded up to a multiple of ``m`` by one more packed sequence of padding at its end (its own
+``cu_seq_lens`` span, ``position_ids`` from 0, labels ``-100``, the other keys the window's own
+padding), never past ``T`` when the packed rows fit in it (the length is then ``T``). A
+window whose every row fills its width has no padding to copy: its packed rows are not
+rounded. Empty rows (length 0) hold no token and are left out. Per-row tensors (a label per
+row) cannot follow their tokens into one packed row and are refused with the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from fullbatch._base._sort_trim import TOKEN_KEYS, Lengths, SortTrim
 from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._warn import warn
+from fullbatch._base._widths import Widths, fill_value, pad_columns, padding_source
 
 __all__ = ["IGNORE", "RowPacker", "first_fit_decreasing"]
 
@@ -68,6 +74,9 @@ class RowPacker:
     [[[0, 1, 2, 0]], [[0, 1]]]
     >>> micros[0]["labels"].tolist(), micros[0]["cu_seq_lens_q"].tolist()
     ([[-100, 7, 7, -100]], [0, 3, 4])
+    >>> packed = RowPacker(micro_batch_tokens=4, pad_to_multiple_of=4)(item)[1]
+    >>> packed["input_ids"].tolist(), packed["labels"].tolist(), packed["cu_seq_lens_q"].tolist()
+    ([[7, 7, 0, 0]], [[-100, 7, -100, -100]], [0, 2, 4])
     """
 
     def __init__(
@@ -76,8 +85,10 @@ class RowPacker:
         micro_batch_tokens: int,
         lengths: Lengths = "attention_mask",
         token_keys: Collection[str] | None = None,
+        pad_to_multiple_of: int | None = None,
     ) -> None:
         self.micro_batch_tokens = micro_batch_tokens
+        self.widths = Widths(pad_to_multiple_of)
         self.lengths = lengths
         self.token_keys = frozenset(TOKEN_KEYS if token_keys is None else token_keys)
         self._reader = SortTrim(micro_batch_tokens=1, lengths=lengths)
@@ -90,10 +101,11 @@ class RowPacker:
             ValueError: ``item`` is not a dict of tensors, is not right-padded, holds
                 per-row tensors or its own ``position_ids``, or its lengths cannot be read.
         """
-        item, lengths, _ = self._read(item)
+        item, lengths, width = self._read(item)
         if lengths is None:
             return []
         budget = self.micro_batch_tokens
+        rounding = self.widths.multiple is not None and min(lengths) < width
         longest = max(lengths)
         if longest > budget:
             self._warn(
@@ -104,8 +116,17 @@ class RowPacker:
             )
         bins = first_fit_decreasing(lengths, budget)
         sizes = [[lengths[r] for r in rows] for rows in bins]
+        if rounding:  # one more packed sequence, of padding, rounds each packed row up
+            for bin_sizes in sizes:
+                extra = self.widths.within(sum(bin_sizes), budget) - sum(bin_sizes)
+                if extra:
+                    bin_sizes.append(extra)
         meta = _BinMeta(sizes, _device_of(item))
-        return [self._build(item, rows, lengths, meta.of(b)) for b, rows in enumerate(bins)]
+        pads = self._pads(item, lengths, width) if rounding else None
+        return [
+            self._build(item, rows, lengths, meta.of(b), sizes[b], pads)
+            for b, rows in enumerate(bins)
+        ]
 
     def cut(self, item: Any, size: int) -> list[dict[str, Any]]:
         """``self(item)`` with another budget (``micro_batch_tokens="auto"``)."""
@@ -117,8 +138,11 @@ class RowPacker:
 
     def window_tokens(self, item: Any) -> int:
         """Real tokens of the whole window (the budget that packs it into one micro-batch)."""
-        _, lengths, _ = self._read(item)
-        return 0 if lengths is None else sum(lengths)
+        _, lengths, width = self._read(item)
+        if lengths is None:
+            return 0
+        rounding = self.widths.multiple is not None and min(lengths) < width
+        return self.widths.round(sum(lengths)) if rounding else sum(lengths)
 
     # -- reading and building ------------------------------------------------------------------
 
@@ -176,14 +200,31 @@ class RowPacker:
                     "or use pack=False)."
                 )
 
+    def _pads(
+        self, item: Mapping[str, Any], lengths: list[int], width: int
+    ) -> dict[str, tuple[float | None, Any]]:
+        """Each per-token key's padding: a fixed value, or the window's own (a view)."""
+        row = lengths.index(min(lengths))  # shorter than the window: its last position pads
+        own = self.lengths if isinstance(self.lengths, str) else None
+        return {
+            key: (fill_value(key, own), padding_source(value, row, width))
+            for key, value in item.items()
+            if isinstance(value, torch.Tensor) and value.dim() >= 2
+        }
+
     def _build(
         self,
         item: Mapping[str, Any],
         rows: list[int],
         lengths: list[int],
         meta: dict[str, torch.Tensor],
+        sizes: list[int],
+        pads: dict[str, tuple[float | None, Any]] | None,
     ) -> dict[str, Any]:
+        """One packed micro-batch: ``rows``' tokens, then the padding sequence when ``sizes``
+        (the bin's packed sequences) holds one more than ``rows``."""
         skip = {"attention_mask", self.lengths if isinstance(self.lengths, str) else ""}
+        extra = sizes[-1] if len(sizes) > len(rows) else 0
         out: dict[str, Any] = {}
         for key, value in item.items():
             if key in skip:
@@ -192,6 +233,9 @@ class RowPacker:
                 out[key] = value
                 continue
             packed = torch.cat([value[r, : lengths[r]] for r in rows])[None]
+            if extra:
+                assert pads is not None
+                packed = pad_columns(packed, extra, *pads[key])
             if key == "labels":
                 packed = packed.clone()
                 packed[0, meta["starts"].to(packed.device)] = IGNORE
@@ -199,7 +243,7 @@ class RowPacker:
         out["position_ids"] = meta["position_ids"]
         out["cu_seq_lens_q"] = meta["cu_seq_lens_q"]
         out["cu_seq_lens_k"] = meta["cu_seq_lens_k"]
-        out["max_length_q"] = out["max_length_k"] = int(max(lengths[r] for r in rows))
+        out["max_length_q"] = out["max_length_k"] = int(max(sizes))
         out["use_cache"] = False
         return out
 

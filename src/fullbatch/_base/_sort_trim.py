@@ -31,6 +31,9 @@ Rules (DESIGN.md, "Contract, part 2"):
 - A window whose mask is not right-padded (not ``1...10...0`` in every row: left padding) is
   regrouped but **not trimmed**: the step stays exact, only the speed-up is lost (warned once).
 - A row longer than the token budget is a micro-batch of its own (warned once).
+- ``pad_to_multiple_of=m`` (:mod:`fullbatch._base._widths`): each trimmed micro-batch's width
+  is its longest row rounded up to a multiple of ``m``, padded past the window's width where
+  needed with each key's padding; with a token budget, rows x rounded width stays within it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 from fullbatch._base._split import collate_rows, count_rows
 from fullbatch._base._take import RowOrder, check_cut, taker
 from fullbatch._base._warn import warn
+from fullbatch._base._widths import Widths, fill_value, padding_source
 
 __all__ = ["COUNTED_KEYS", "TOKEN_KEYS", "Lengths", "SortTrim"]
 
@@ -113,6 +117,9 @@ class SortTrim:
     >>> micros = SortTrim(micro_batch_tokens=4)(item)
     >>> [tuple(m["input_ids"].shape) for m in micros], [m["w"].tolist() for m in micros]
     ([(1, 4), (2, 2)], [[2.0], [3.0, 1.0]])
+    >>> micros = SortTrim(micro_batch_size=2, pad_to_multiple_of=3)(item)
+    >>> [m["attention_mask"].tolist() for m in micros]
+    [[[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], [[1, 0, 0]]]
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class SortTrim:
         micro_batch_tokens: int | None = None,
         lengths: Lengths = "attention_mask",
         token_keys: Collection[str] | None = None,
+        pad_to_multiple_of: int | None = None,
     ) -> None:
         if (micro_batch_size is None) == (micro_batch_tokens is None):
             raise ValueError("SortTrim needs exactly one of micro_batch_size, micro_batch_tokens.")
@@ -129,6 +137,7 @@ class SortTrim:
         self.micro_batch_tokens = micro_batch_tokens
         self.lengths = lengths
         self.token_keys = None if token_keys is None else frozenset(token_keys)
+        self.widths = Widths(pad_to_multiple_of)
         self._content_checks = _CONTENT_CHECKS
         self._warned: set[str] = set()
 
@@ -160,18 +169,45 @@ class SortTrim:
         else:
             check = {}
         order = torch.sort(lengths, descending=True, stable=True).indices
-        sizes = self._group(lengths[order].tolist(), width if not right_padded else None)
+        widest = self._widest(lengths, width, right_padded)
+        sizes = self._group(lengths[order].tolist(), widest, right_padded)
+        pads = self._pads(item, lengths, width, trim) if widest > width else None
         placed = RowOrder(order)  # on each device once, not per micro-batch
         cuts: list[tuple[str, torch.Tensor]] = []
         micros, start = [], 0
         for size in sizes:
             idx = slice(start, start + size)
-            keep = width if not right_padded else max(int(lengths[order[idx]].max()), 1)
-            take = taker(placed, idx, rows, width, keep, trim, check, cuts)
+            keep = self._width(int(lengths[order[start]]), widest) if right_padded else width
+            take = taker(placed, idx, rows, width, keep, trim, check, cuts, pads)
             micros.append(_rebuild(item, take))
             start += size
         check_cut(cuts)
         return micros
+
+    def _widest(self, lengths: torch.Tensor, width: int, right_padded: bool) -> int:
+        """How wide a micro-batch of this window may be: the window's width, or (rounding
+        with padding to copy) its width rounded up. Not trimmed (left padding): the width."""
+        if not right_padded or self.widths.multiple is None:
+            return width
+        shorter = bool((lengths < width).any()) if len(lengths) else False
+        return self.widths.round(width) if shorter else width
+
+    def _width(self, longest: int, widest: int) -> int:
+        """A micro-batch's width: its longest row (at least 1), rounded (not past the token
+        budget when that row fits in it), at most ``widest``."""
+        return min(self.widths.within(max(longest, 1), self.micro_batch_tokens), widest)
+
+    def _pads(
+        self, item: Any, lengths: torch.Tensor, width: int, trim: set[int]
+    ) -> dict[int, tuple[float | None, Any]]:
+        """Each trimmed tensor's padding past the window: a fixed value, or its own padding."""
+        row = int(torch.argmin(lengths))  # shorter than the window: its last position pads
+        own = self.lengths if isinstance(self.lengths, str) else None
+        return {
+            id(t): (fill_value(name, own), padding_source(t, row, width))
+            for name, t in _named_leaves(item)
+            if id(t) in trim
+        }
 
     def _per_token(self, item: Any, rows: int, width: int) -> tuple[set[int], dict[int, str]]:
         """Tensors to trim (by id), and those among them whose trimmed columns are checked.
@@ -221,7 +257,8 @@ class SortTrim:
         if rows == 0:
             return 0
         lengths, width, right_padded = self._lengths(item, rows)
-        longest = max(int(lengths.max()), 1) if right_padded else width
+        widest = self._widest(lengths, width, right_padded)
+        longest = self._width(int(lengths.max()), widest) if right_padded else width
         return rows * longest
 
     # -- lengths -------------------------------------------------------------------------------
@@ -292,8 +329,9 @@ class SortTrim:
 
     # -- grouping ------------------------------------------------------------------------------
 
-    def _group(self, sorted_lengths: list[int], fixed_width: int | None) -> list[int]:
-        """Row counts of consecutive micro-batches over rows sorted longest first."""
+    def _group(self, sorted_lengths: list[int], widest: int, trimmed: bool) -> list[int]:
+        """Row counts of consecutive micro-batches over rows sorted longest first; ``widest``:
+        the widest a micro-batch may be (every micro-batch's width when not ``trimmed``)."""
         rows = len(sorted_lengths)
         if self.micro_batch_size is not None:
             m = self.micro_batch_size
@@ -303,16 +341,18 @@ class SortTrim:
         sizes: list[int] = []
         i = 0
         while i < rows:
-            widest = fixed_width or max(sorted_lengths[i], 1)
-            take = max(budget // widest, 1)
-            if widest > budget:
+            longest = sorted_lengths[i]
+            wide = self._width(longest, widest) if trimmed else widest
+            if wide > budget:
+                shown = longest if trimmed else wide
+                rounded = "" if wide == max(shown, 1) else f" (rounded up to {wide})"
                 self._warn(
                     "long",
-                    f"a row of {widest} tokens is longer than micro_batch_tokens={budget}: it "
-                    "is a micro-batch of its own (exact, but larger than the budget). Raise "
-                    "micro_batch_tokens or cut long rows in the loader.",
+                    f"a row of {shown} tokens{rounded} is longer than micro_batch_tokens="
+                    f"{budget}: it is a micro-batch of its own (exact, but larger than the "
+                    "budget). Raise micro_batch_tokens or cut long rows in the loader.",
                 )
-            take = min(take, rows - i)
+            take = min(max(budget // wide, 1), rows - i)
             sizes.append(take)
             i += take
         return sizes

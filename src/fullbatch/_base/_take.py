@@ -8,8 +8,11 @@ padding is read once for the whole window.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from fullbatch._base._widths import pad_columns
 
 __all__ = ["RowOrder", "check_cut", "taker"]
 
@@ -54,9 +57,11 @@ def taker(
     trim: set[int],
     check: dict[int, str],
     cuts: list[tuple[str, torch.Tensor]],
+    pads: dict[int, tuple[float | None, Any]] | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Rows ``idx`` (of the window's order) of a rows-first tensor; those in ``trim`` cut to
-    ``keep`` positions.
+    ``keep`` positions, or, when ``keep`` is wider than the window, padded to it with their
+    ``pads`` entry (``(fill, source)``, see :func:`fullbatch._base._widths.pad_columns`).
 
     A tensor in ``check`` must hold one value (its padding) in the columns cut away: whether
     it does is appended to ``cuts`` (see :func:`check_cut`).
@@ -71,6 +76,10 @@ def taker(
                 cut = t[i, keep:]
                 cuts.append((check[id(t)], (cut == cut[:1, :1]).all()))
             return t[i, :keep]
+        if id(t) in trim and keep > width:
+            assert pads is not None
+            fill, source = pads[id(t)]
+            return pad_columns(t[i], keep - width, fill, source)
         return t[i]
 
     return take

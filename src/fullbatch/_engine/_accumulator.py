@@ -14,12 +14,14 @@ from fullbatch._base._sort_trim import Lengths
 from fullbatch._base._sync import SyncPlan
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 from fullbatch._engine._boosted import check_optimizer, unwrap_boosted
+from fullbatch._engine._checks import engine_watches
 from fullbatch._engine._core import Engine
 from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
-from fullbatch._engine._micro_plan import MicroBatchPlan
-from fullbatch._engine._mistakes import MistakeChecks, warn_untrained
+from fullbatch._engine._loader_checks import LoaderChecks
+from fullbatch._engine._micro_plan import MicroBatchPlan, on_accelerator
+from fullbatch._engine._mistakes import warn_untrained
 from fullbatch._engine._open import open_window
 from fullbatch._engine._precision import make_grad_buffers
 from fullbatch._engine._prepared import Prepared, check_loader
@@ -64,6 +66,15 @@ class Accumulator:
             and cutting trailing padding change nothing but rounding. An integer or ``"auto"``.
         sort_rows: with ``micro_batch_size``: sort each window's rows by length first and trim
             each micro-batch to its own longest row (same rows per micro-batch, less padding).
+        pad_to_multiple_of: with ``micro_batch_tokens`` or ``sort_rows``: round each trimmed
+            micro-batch's width (a packed row's length) up to a multiple of this, so that a
+            GPU meets few distinct shapes (each new one costs an attention plan, a compiled
+            graph). The columns added past the window's width hold each key's padding
+            (``labels`` -100, masks 0, other token keys the window's own padding value); the
+            count is unchanged and each step still equals the full batch; with
+            ``micro_batch_tokens``, rows x rounded width stays within the budget (a single
+            longer row aside). ``None``: 64 when the model is on a GPU (or another
+            accelerator), exact widths on a CPU; ``1``: exact widths everywhere.
         lengths: the rows' lengths for ``micro_batch_tokens`` / ``sort_rows``: a key of the
             loader item whose nonzero entries per row count the real tokens (default
             ``"attention_mask"``, right padding), or ``fn(item) -> 1-D integer tensor``.
@@ -164,6 +175,7 @@ class Accumulator:
         micro_batch_size: int | Literal["auto"] | None = None,
         micro_batch_tokens: int | Literal["auto"] | None = None,
         sort_rows: bool = False,
+        pad_to_multiple_of: int | None = None,
         lengths: Lengths = "attention_mask",
         token_keys: Collection[str] | None = None,
         pack: bool = False,
@@ -190,6 +202,7 @@ class Accumulator:
             micro_batch_size=micro_batch_size,
             micro_batch_tokens=micro_batch_tokens,
             sort_rows=sort_rows,
+            pad_to_multiple_of=pad_to_multiple_of,
             lengths=lengths,
             token_keys=token_keys,
             pack=pack,
@@ -197,6 +210,7 @@ class Accumulator:
             partial_window=partial_window,
             padding_micro_batch=padding_micro_batch,
             counts=counts,
+            accelerator=on_accelerator(model),
         )
         sync_plan = SyncPlan(
             ddp_sync=ddp_sync,
@@ -228,24 +242,30 @@ class Accumulator:
         window_bn = WindowBatchNorm(model) if step_plan.window_batchnorm else None
         warn_batchnorm(model, window_statistics=step_plan.window_batchnorm)
         warn_untrained(model, optimizer)
+        guard = LoopGuard(optimizer, prepared.watched_scheduler, params)
+        self._loader_checks = LoaderChecks(micro_batch_size=micro_plan.fixed_rows)
+        pack_check = FirstWindowCheck(model, sync) if micro_plan.checks_packing else None
         self._engine = Engine(
             model=model,
             optimizer=optimizer,
             params=params,
             sync=sync,
-            guard=LoopGuard(optimizer, prepared.watched_scheduler, params),
+            guard=guard,
             prepared=prepared,
             window_hooks=WindowHooks(),
-            mistakes=MistakeChecks(
+            watches=engine_watches(
                 model,
                 optimizer,
                 sync=sync,
-                scheduler=scheduler,
-                micro_batch_size=micro_plan.fixed_rows,
+                guard=guard,
+                loader=self._loader_checks,
+                pack=pack_check,
+                scheduler_given=scheduler is not None,
+                shares=micro_plan.counts is not None,
             ),
             grad_buffers=buffers,
             batchnorm=window_bn,
-            pack_check=FirstWindowCheck() if micro_plan.checks_packing else None,
+            pack_check=pack_check,
             micro_plan=micro_plan,
             step_plan=step_plan,
         )
@@ -303,7 +323,7 @@ class Accumulator:
         check_loader(loader)
         engine = self._engine
         plan = engine.micro_plan
-        engine.mistakes.loader(
+        self._loader_checks.loader(
             loader, micro_batches=plan.micro_batches, resuming=engine.pending is not None
         )
         return Windows(
@@ -481,8 +501,7 @@ class Accumulator:
         engine.sync.end()
         if engine.batchnorm is not None:
             engine.batchnorm.close()
-        engine.guard.close()
-        engine.mistakes.close()
+        engine.watches.close()  # the loop guard among them: its optimizer hooks go too
         engine.closed = True
 
     def __enter__(self) -> Accumulator:

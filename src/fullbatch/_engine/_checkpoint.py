@@ -28,17 +28,20 @@ from fullbatch._engine._feed import Feed
 from fullbatch._engine._state import WindowState
 
 __all__ = [
+    "AT_END",
+    "AT_ITEM",
+    "OTHER_ITEM",
+    "PAST_END",
     "check_grads",
     "check_length",
-    "check_position",
     "fingerprints",
     "identity",
     "item_key",
     "optimizer_progress",
     "param_names",
+    "position",
     "restore_window",
     "window_dict",
-    "wrong_position",
 ]
 
 
@@ -53,6 +56,7 @@ def identity(engine: Engine, names: list[str]) -> dict[str, Any]:
         "mode": engine.micro_plan.mode,
         "window_size": engine.micro_plan.checkpoint_size,
         "sync": engine.sync.kind,
+        "reduce_at_step": engine.sync.reduce_at_step,  # DDP's ddp_sync="step"
         "world_size": engine.sync.world,
         "rank": engine.sync.rank,
         "batchnorm": "window" if engine.batchnorm is not None else None,
@@ -140,31 +144,24 @@ def item_key(item: Any) -> str:
     return "end" if item is None else fingerprint(item)
 
 
-def check_position(pending: dict[str, Any], first_item: Any) -> bool:
-    """Whether a resumed window's first item is the one the state expects (True: unknown)."""
-    expected = pending.get("next_item")
-    return expected is None or item_key(first_item) == expected
+# Where a resumed loader stands, from its first item and the state's next_item (its code in
+# the window-start exchange): at the item the state expects (or unknown), past the end the
+# state saw, at its end while the state expects an item, at another item.
+AT_ITEM, PAST_END, AT_END, OTHER_ITEM = range(4)
 
 
-def wrong_position(pending: dict[str, Any], first_item: Any, ranks: list[int]) -> str:
-    n = pending["loader_items"]
+def position(pending: dict[str, Any], first_item: Any) -> int:
+    """Where a resumed window's first item stands against the item the state expects.
+
+    >>> position({"next_item": "end"}, None), position({"next_item": "end"}, 1)
+    (0, 1)
+    """
     expected, got = pending.get("next_item"), item_key(first_item)
     if expected is None or got == expected:
-        here = "this rank's loader is where the state expects it"
-    elif expected == "end":
-        here = "on this rank the state was saved after the loader's last item, but it yields more"
-    elif got == "end":
-        here = f"on this rank the loader yields nothing, but the state expects item {n}"
-    else:
-        here = f"its first item has fingerprint {got}; the item saved at {n} had {expected}"
-    where = f" on rank(s) {ranks}" if pending.get("world_size", 1) > 1 else ""
-    return (
-        f"the loader given to acc.windows() does not start at state['loader_items'] = {n}"
-        f"{where} ({here}). Resuming from another position trains on other data (items "
-        f"skipped or seen twice) without any error. Give acc.windows() the loader from item {n} "
-        f"on, e.g. itertools.islice(loader, {n}, None) or a sampler resumed at that item (each "
-        "rank its own)."
-    )
+        return AT_ITEM
+    if expected == "end":
+        return PAST_END
+    return AT_END if got == "end" else OTHER_ITEM
 
 
 # -- the window ------------------------------------------------------------------------------

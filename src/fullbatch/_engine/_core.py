@@ -18,16 +18,16 @@ from torch import nn
 
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
-from fullbatch._base._verdict import WindowCounters
+from fullbatch._base._verdict import Verdict, WindowCounters
 from fullbatch._engine._batchnorm import WindowBatchNorm
 from fullbatch._engine._guards import LoopGuard
 from fullbatch._engine._hooks import WindowHooks
 from fullbatch._engine._micro_plan import MicroBatchPlan
-from fullbatch._engine._mistakes import MistakeChecks
 from fullbatch._engine._precision import GradBuffers
 from fullbatch._engine._prepared import Prepared
 from fullbatch._engine._state import WindowState
 from fullbatch._engine._step_plan import StepPlan
+from fullbatch._engine._watch import Watches
 
 __all__ = ["Engine", "Handle"]
 
@@ -50,10 +50,10 @@ class Engine:
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]
     sync: Sync
-    guard: LoopGuard
+    guard: LoopGuard  # a hand loop's leftovers (its sentinel gradient is one of the watches)
     prepared: Prepared
     window_hooks: WindowHooks
-    mistakes: MistakeChecks  # migration mistakes caught before backward (_mistakes.py)
+    watches: Watches  # the checks of the user's loop, told each micro-batch (_checks.py)
     grad_buffers: GradBuffers | None  # accumulate_dtype's float32 buffers
     batchnorm: WindowBatchNorm | None  # batchnorm="window"'s statistics
     pack_check: Any  # pack=True with verify_pack: the first window's check (_verify_pack)
@@ -64,6 +64,7 @@ class Engine:
     counters: WindowCounters = field(default_factory=WindowCounters)  # steps, skipped windows
     loss_scale: float | None = None  # c of the next window; None before the first
     start_problems: int = 0  # resume problems found before the next window start (_resume_check)
+    verdict: Verdict | None = None  # the last window's verdict, published before its step
     # -- the window slot -------------------------------------------------------------------
     window: WindowState | None = None  # the open window: set by open_window, cleared by end
     pending: dict[str, Any] | None = None  # a loaded state, restored into the next window

@@ -32,6 +32,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullbatch._engine._dcp import DcpInitStep
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._watch import Watch
 
 __all__ = ["LoopGuard"]
 
@@ -41,8 +43,11 @@ _STEP_FIX = (
 )
 
 
-class LoopGuard:
+class LoopGuard(Watch):
     """Watches the optimizer, the gradients and the scheduler for calls fullbatch did not make.
+
+    The gradient check is a :class:`~fullbatch._engine._watch.Watch` (before and after each
+    backward, before the step); the optimizer's and the scheduler's are hooks and reads.
 
     >>> import torch
     >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -136,7 +141,15 @@ class LoopGuard:
         self.window_open = False
         self._sentinel = self._sentinel_grad = None
 
-    def after_backward(self) -> None:
+    # -- the Watch: the sentinel gradient ----------------------------------------------------
+
+    def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> None:
+        if not self.gradients_intact():
+            raise RuntimeError(
+                self.cleared_message(state.index, "between two window.backward calls")
+            )
+
+    def after_backward(self, state: WindowState | None = None) -> None:
         """Remember one gradient produced so far, to notice if something clears it."""
         sentinel = self._sentinel
         if sentinel is None or sentinel.grad is None:
@@ -145,6 +158,11 @@ class LoopGuard:
                 return
         grad = sentinel.grad
         self._sentinel, self._sentinel_grad, self._sentinel_version = sentinel, grad, grad._version
+
+    def before_step(self, state: WindowState) -> None:
+        if not self.gradients_intact():
+            where = "after the last window.backward, before window.step()"
+            raise RuntimeError(self.cleared_message(state.index, where))
 
     def gradients_intact(self) -> bool:
         """False when the remembered gradient was cleared, replaced or modified since."""

@@ -17,6 +17,10 @@
   that reconstructs its own input would be legitimate).
 
 A count that matches none of the forms (another ``ignore_index``, weights, rows) is left alone.
+
+:class:`LabelCheck` runs it on the first two backward calls with a count (a mistake in the data
+pipeline shows in every micro-batch), then drops out of the watch list: its reads of the
+labels are the only host syncs of the first window's micro-batches, one Accumulator's once.
 """
 
 from __future__ import annotations
@@ -28,8 +32,13 @@ import torch
 from torch import nn
 
 from fullbatch._base._warn import warn
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._watch import Watch
 
-__all__ = ["label_mistake", "pad_token_ids"]
+__all__ = ["LabelCheck", "label_mistake", "pad_token_ids"]
+
+#: backward calls (of the first window) whose labels and count are checked
+_LABEL_CHECKS = 2
 
 
 def pad_token_ids(model: nn.Module) -> tuple[int, ...]:
@@ -163,3 +172,29 @@ def label_mistake(
             "returns: `loss_sum, n = fb.causal_lm_loss(logits, labels)`."
         )
     return None
+
+
+class LabelCheck(Watch):
+    """:func:`label_mistake` on the first backward calls with a count, then done."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._pad_ids = pad_token_ids(model)
+        self._left = _LABEL_CHECKS
+        self._micro: Any = None
+
+    def on_micro_batch(self, state: WindowState, micro: Any) -> None:
+        self._micro = micro
+
+    def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> bool:
+        if count is None or state.current_padding:
+            return False
+        self._left -= 1
+        micro, self._micro = self._micro, None
+        if isinstance(micro, Mapping):
+            message = label_mistake(micro, count, self._pad_ids)
+            if message is not None:
+                raise ValueError(message)
+        return self._left == 0
+
+    def close(self) -> None:
+        self._micro = None

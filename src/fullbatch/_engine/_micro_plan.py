@@ -1,7 +1,8 @@
 """``MicroBatchPlan``: how a loader item becomes micro-batches, parsed once.
 
 The options ``micro_batches`` / ``micro_batch_size`` / ``micro_batch_tokens`` (an integer or
-``"auto"``), ``sort_rows``, ``lengths``, ``token_keys``, ``pack``, ``verify_pack``,
+``"auto"``), ``sort_rows``, ``pad_to_multiple_of``, ``lengths``, ``token_keys``, ``pack``,
+``verify_pack``,
 ``partial_window``, ``padding_micro_batch`` and ``counts`` are checked here, each rule beside
 the option it constrains, before anything changes; every bad value is refused with the value
 received and the fix. The plan builds the splitter once (:class:`~fullbatch._base._sort_trim.
@@ -31,11 +32,26 @@ from fullbatch._base._packed import RowPacker
 from fullbatch._base._sort_trim import Lengths, SortTrim
 from fullbatch._base._split import count_rows, split_rows
 
-__all__ = ["MicroBatchPlan", "PartialWindow", "Size"]
+__all__ = ["ACCELERATOR_MULTIPLE", "MicroBatchPlan", "PartialWindow", "Size", "on_accelerator"]
 
 Size = int | Literal["auto"]
+#: ``pad_to_multiple_of`` when it is None and the model is on a GPU: widths on a grid of 64
+#: (docs/concepts.md, "Shapes on a GPU": ~5% more tokens, ~30 shapes instead of ~1,000)
+ACCELERATOR_MULTIPLE = 64
 PartialWindow = Literal["step", "drop"]
 Split = Callable[[Any], list[Any]]
+
+
+def on_accelerator(model: Any) -> bool:
+    """Whether the model's (first) parameter lives on an accelerator (not the CPU, not meta).
+
+    >>> import torch
+    >>> on_accelerator(torch.nn.Linear(1, 1)), on_accelerator(torch.nn.Identity())
+    (False, False)
+    """
+    parameters = getattr(model, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return first is not None and first.device.type not in ("cpu", "meta")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -56,8 +72,9 @@ class MicroBatchPlan:
 
     Raises:
         ValueError: not exactly one of the three sizes, a size that is not an integer >= 1
-            (or ``"auto"`` for the last two), or an option given without the one it works
-            with (``sort_rows`` without ``micro_batch_size``, ``lengths`` / ``token_keys``
+            (or ``"auto"`` for the last two), a ``pad_to_multiple_of`` that is not an integer
+            >= 1, or an option given without the one it works with (``sort_rows`` without
+            ``micro_batch_size``, ``lengths`` / ``token_keys`` / ``pad_to_multiple_of``
             without sorting, ``pack`` without ``micro_batch_tokens``, ``partial_window="drop"``
             without ``micro_batches``); a bad ``counts`` or ``padding_micro_batch``.
     """
@@ -66,6 +83,7 @@ class MicroBatchPlan:
     micro_batch_size: Size | None = None
     micro_batch_tokens: Size | None = None
     sort_rows: bool = False
+    pad_to_multiple_of: int | None = None
     lengths: Lengths = "attention_mask"
     token_keys: Collection[str] | None = None
     pack: bool = False
@@ -73,6 +91,9 @@ class MicroBatchPlan:
     partial_window: PartialWindow = "step"
     padding_micro_batch: Callable[[], Any] | None = None
     counts: Mapping[str, Callable[[Any], Any]] | None = None
+    #: the model trains on an accelerator: ``pad_to_multiple_of=None`` means
+    #: :data:`ACCELERATOR_MULTIPLE` there (exact widths on a CPU)
+    accelerator: bool = False
     #: ``split(item)``: the micro-batches of a loader item, at a fixed size
     split: Split = field(init=False, repr=False, compare=False)
     #: where an ``"auto"`` size stands (it cuts with the size it has found); None: fixed
@@ -82,6 +103,7 @@ class MicroBatchPlan:
         self._check_sizes()
         self._check_lengths()
         self._check_token_keys()
+        self._check_multiple()
         if _bool("pack", self.pack) and self.micro_batch_tokens is None:
             raise ValueError(
                 "pack=True packs each window's rows into micro-batches of at most T real "
@@ -171,22 +193,57 @@ class MicroBatchPlan:
             )
         object.__setattr__(self, "token_keys", frozenset(keys))
 
+    def _check_multiple(self) -> None:
+        """``pad_to_multiple_of``: an integer >= 1 that rounds the widths of sorted rows; None:
+        exact widths on a CPU, :data:`ACCELERATOR_MULTIPLE` on an accelerator (exact below a
+        token budget of that size)."""
+        m = self.pad_to_multiple_of
+        if m is None:
+            tokens = self.micro_batch_tokens
+            small = isinstance(tokens, int) and tokens < ACCELERATOR_MULTIPLE
+            if self.accelerator and self.sorts and not small:
+                object.__setattr__(self, "pad_to_multiple_of", ACCELERATOR_MULTIPLE)
+            return
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(
+                f"pad_to_multiple_of must be an integer >= 1 (micro-batch widths are rounded up "
+                f"to a multiple of it, e.g. 64), or None for exact widths; got {m!r}."
+            )
+        if not self.sorts:
+            raise ValueError(
+                f"pad_to_multiple_of={m} rounds up the width of micro-batches trimmed to their "
+                "longest row: give micro_batch_tokens=T, or micro_batch_size=M with "
+                "sort_rows=True. Without them micro-batches keep the loader's width; pad it in "
+                f"the collator instead (e.g. DataCollatorWithPadding(tokenizer, "
+                f"pad_to_multiple_of={m}))."
+            )
+        tokens = self.micro_batch_tokens
+        if isinstance(tokens, int) and tokens < m:
+            raise ValueError(
+                f"pad_to_multiple_of={m} is larger than micro_batch_tokens={tokens}: every "
+                "micro-batch would be one row over the budget. Give micro_batch_tokens a "
+                f"multiple of {m} (e.g. {m * max(tokens // m, 1) * 8}) or a smaller multiple."
+            )
+
     def _build(self) -> tuple[Split, AutoSize | None]:
         """The splitter, and an :class:`AutoSize` when the size is ``"auto"`` (it then cuts,
         with the size it has found). With ``micro_batches=K`` nothing is ever split."""
         tokens, size, keys = self.micro_batch_tokens, self.micro_batch_size, self.token_keys
+        lengths, multiple = self.lengths, self.pad_to_multiple_of
         if tokens is not None:
             cutter: SortTrim | RowPacker
-            if self.pack:
-                cutter = RowPacker(micro_batch_tokens=1, lengths=self.lengths, token_keys=keys)
-            else:
-                cutter = SortTrim(micro_batch_tokens=1, lengths=self.lengths, token_keys=keys)
+            kind = RowPacker if self.pack else SortTrim
+            cutter = kind(
+                micro_batch_tokens=1, lengths=lengths, token_keys=keys, pad_to_multiple_of=multiple
+            )
             if tokens == "auto":
                 return cutter, AutoSize(cutter.window_tokens, cutter.cut)
             cutter.micro_batch_tokens = tokens
             return cutter, None
         if self.sort_rows:
-            rows = SortTrim(micro_batch_size=1, lengths=self.lengths, token_keys=keys)
+            rows = SortTrim(
+                micro_batch_size=1, lengths=lengths, token_keys=keys, pad_to_multiple_of=multiple
+            )
             if size == "auto":
                 return rows, AutoSize(count_rows, rows.cut)
             rows.micro_batch_size = int(size or 1)
@@ -241,9 +298,11 @@ class MicroBatchPlan:
     @property
     def mode(self) -> str:
         """How windows are cut, as a checkpoint records it (another mode resumes elsewhere)."""
+        m = self.pad_to_multiple_of
+        pad = "" if m is None else f", pad_to_multiple_of={m}"
         if self.micro_batches is not None or self.micro_batch_tokens is not None:
-            return self.size_name
-        return "micro_batch_size" + (", sort_rows" if self.sort_rows else "")
+            return self.size_name + pad
+        return "micro_batch_size" + (", sort_rows" if self.sort_rows else "") + pad
 
     @property
     def checkpoint_size(self) -> int | str:

@@ -223,6 +223,22 @@ class Resume:
         window = state.get("window")
         if window is not None:
             check_grads(self._engine, self._names, window)
+            saved = state.get("reduce_at_step", mine["reduce_at_step"])  # older states: none
+            if saved != mine["reduce_at_step"]:
+                raise ValueError(_reduce_problem(bool(saved)))
+
+
+def _reduce_problem(saved: bool) -> str:
+    """A window saved with gradients summed at the step, resumed with them reduced in the
+    last backward (or the other way round)."""
+    modes = {True: "ddp_sync='step'", False: "ddp_sync='last'"}
+    return (
+        f"this state was taken inside a window with {modes[saved]}, but this Accumulator has "
+        f"{modes[not saved]}: under 'last' the gradients of a window's last backward are "
+        "already all-reduced, under 'step' they are summed at step(), so the saved gradients "
+        "would be reduced twice or never. Resume with the state's ddp_sync (it may change at "
+        "a window boundary, a state taken after window.step())."
+    )
 
 
 def _size_problem(state: dict[str, Any], mine: dict[str, Any]) -> str | None:
@@ -267,12 +283,13 @@ def _size_problem(state: dict[str, Any], mine: dict[str, Any]) -> str | None:
 
 def _public(mode: Any, size: Any) -> str:
     """``micro_batches=4``, ``micro_batch_size=3, sort_rows=True``, ``micro_batch_tokens=64``."""
-    mode = str(mode)
+    mode, _, multiple = str(mode).partition(", pad_to_multiple_of=")
+    pad = f", pad_to_multiple_of={multiple}" if multiple else ""
     if mode == "micro_batches":
         return f"micro_batches={size!r}"
     if mode.startswith("micro_batch_tokens"):
-        return f"micro_batch_tokens={size!r}"
-    return f"micro_batch_size={size!r}" + (", sort_rows=True" if "sort_rows" in mode else "")
+        return f"micro_batch_tokens={size!r}{pad}"
+    return f"micro_batch_size={size!r}" + (", sort_rows=True" if "sort_rows" in mode else "") + pad
 
 
 def _first_difference(state: dict[str, Any], mine: dict[str, Any]) -> str:

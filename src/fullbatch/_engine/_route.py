@@ -11,7 +11,8 @@ with gradients on that no wrapper forward encloses. The decision is local and ce
 rank: SPMD code makes the same call on each rank, and each rank raises at its first backward of
 that micro-batch, before any collective of the window's backward or step. Only with
 ``ddp_sync="last"`` (DDP reduces in the backward); with ``ddp_sync="step"`` fullbatch reduces
-the gradients itself and the inner forward is exact. The hooks live for the first window.
+the gradients itself and the inner forward is exact. The hooks live for the first window: the
+watch drops out of the list at the first micro-batch of a later one.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._base._sync import Sync
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._watch import Watch
+
 __all__ = ["ForwardRoute"]
 
 
-class ForwardRoute:
+class ForwardRoute(Watch):
     """Watches which forward a DDP micro-batch went through (the first window).
 
     >>> wrapper = torch.nn.Sequential(torch.nn.Linear(2, 2))  # stands in for DDP
@@ -44,11 +49,38 @@ class ForwardRoute:
         self._depth = 0  # wrapper forwards running now
         self._wrapped = False  # a wrapper forward ran for this micro-batch
         self._alone = False  # an inner forward with grad ran outside any wrapper forward
+        self._windows = 0  # windows begun
         self._handles = [
             wrapper.register_forward_pre_hook(self._enter),
             wrapper.register_forward_hook(self._leave, always_call=True),
             inner.register_forward_pre_hook(self._inner),
         ]
+
+    @classmethod
+    def watching(cls, model: nn.Module, sync: Sync) -> ForwardRoute | None:
+        """The watch for a wrapper whose sync needs its own forward (DDP, ``ddp_sync="last"``)."""
+        inner = getattr(model, "module", None)
+        if sync.needs_wrapper_forward and isinstance(inner, nn.Module):
+            return cls(model, inner)
+        return None
+
+    # -- the Watch ---------------------------------------------------------------------------
+
+    def on_micro_batch(self, state: WindowState, micro: Any) -> bool:
+        if state.yielded == 1:
+            self._windows += 1
+            if self._windows > 1:
+                return True  # a second window begins: the first one's checks are done
+        self.start_micro_batch()
+        return False
+
+    def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> None:
+        if state.current_backwards == 0:
+            message = self.message(state.yielded - 1)
+            if message is not None:
+                raise RuntimeError(message)
+
+    # -- the hooks ---------------------------------------------------------------------------
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._depth += 1

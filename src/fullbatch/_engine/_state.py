@@ -63,6 +63,7 @@ class WindowState:
     first_item: Any = None  # the window's first loader item (None: none on this rank)
     phase: Phase = Phase.OPEN
     by_run: bool = False  # driven by window.run / run_coupled (needed by "auto")
+    totals_read: bool = False  # window.totals was read (a share may be divided by it)
     yielded: int = 0
     current_final: bool = False  # the current micro-batch is the window's last
     current_padding: bool = False  # the current micro-batch is padding

@@ -96,6 +96,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
             share=share,
         )
     )
+    engine.verdict = verdict  # published: fb.probe reads the clip folded into the multiply
     if scaler is not None:
         # On the device: divides by the scale and records the non-finite check that
         # scaler.update() consumes. It found nothing when the verdict steps (a non-finite

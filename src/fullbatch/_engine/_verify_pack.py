@@ -29,53 +29,65 @@ from torch import nn
 
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._row_boundaries import PackingReport, check_packed, likely_causes, repack
+from fullbatch._base._sync import Sync
 from fullbatch._base._warn import warn
 from fullbatch._engine._core import Handle
 from fullbatch._engine._run import abandon_locally
+from fullbatch._engine._state import WindowState
+from fullbatch._engine._watch import Watch
 
 __all__ = ["FirstWindowCheck", "refuse_coupled"]
 
 
-class FirstWindowCheck:
+class FirstWindowCheck(Watch):
     """Pending until one window had a micro-batch with two rows (then checked once).
 
-    >>> check = FirstWindowCheck()
+    In the plain loop it is a :class:`~fullbatch._engine._watch.Watch`: it watches the
+    forward of the first packed micro-batch of two rows and checks it before that
+    micro-batch's first backward (then drops out of the list); :meth:`Window.run` calls it
+    instead (``check(window, fn)``).
+
+    >>> model = torch.nn.Linear(1, 1)
+    >>> check = FirstWindowCheck(model, Sync(model))
     >>> check.pending, check.report
     (True, None)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module, sync: Sync) -> None:
+        self._model = model
+        self._sync = sync
         self.pending = True
         self.report: PackingReport | None = None
         self.watch: _Watch | None = None  # the plain loop's watched micro-batch
 
     # -- the plain loop ------------------------------------------------------------------------
 
-    def see(self, window: Handle, micro: Any) -> None:
-        """The plain loop yielded ``micro``: watch its forward if it packs two rows or more."""
+    def on_micro_batch(self, state: WindowState, micro: Any) -> bool:
+        """The plain loop yields ``micro``: watch its forward if it packs two rows or more."""
         if self.watch is not None:
             self.watch.close()  # its backward never came
             self.watch = None
-        if not isinstance(micro, Mapping) or len(micro.get("cu_seq_lens_q", ())) <= 2:
-            return
-        sync = window._engine.sync
-        if sync.sharded:
+        if not self.pending:
+            return True  # checked (by window.run, or by this watch)
+        if state.by_run or not isinstance(micro, Mapping):
+            return False
+        if len(micro.get("cu_seq_lens_q", ())) <= 2:
+            return False
+        if self._sync.sharded:
             self.pending = False
             warn(_FSDP2)
-            return
-        self.watch = _Watch(sync.inner, micro)
+            return True
+        self.watch = _Watch(self._sync.inner, micro)
+        return False
 
-    def before_backward(self, window: Handle) -> None:
+    def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> bool:
         """The first backward of the watched micro-batch: refuse it if rows leak."""
         watch, self.watch = self.watch, None
-        assert watch is not None
+        if watch is None:
+            return not self.pending
         watch.close()
         self.pending = False
-        try:
-            leaks = watch.leaks()
-        except BaseException:
-            abandon_locally(window)
-            raise
+        leaks = watch.leaks()  # an error here abandons the window too
         if leaks is None:
             warn(
                 "pack=True: the plain loop could not check that packing respects the row "
@@ -85,12 +97,11 @@ class FirstWindowCheck:
                 "with window.run(fn), which checks the loss end to end "
                 "(Accumulator(..., verify_pack=False) silences this)."
             )
-            return
+            return True
         earlier, later = leaks
         if earlier == 0.0 and later == 0.0:
-            return
-        abandon_locally(window)
-        causes = likely_causes(window._engine.model, watch.kwargs, [watch.micro], later > 0)
+            return True
+        causes = likely_causes(self._model, watch.kwargs, [watch.micro], later > 0)
         lines = "\n".join(f"  likely cause: {cause}" for cause in causes)
         raise ValueError(
             "pack=True: packing does not respect the row boundaries in this loop's forward: "
@@ -99,6 +110,13 @@ class FirstWindowCheck:
             "packed micro-batches would not be the full-batch step; nothing was changed.\n"
             f"{lines}"
         )
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+    # -- window.run ----------------------------------------------------------------------------
 
     def __call__(self, window: Handle, fn: Any) -> None:
         engine = window._engine

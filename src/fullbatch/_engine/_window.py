@@ -42,9 +42,22 @@ class Window:
             stats = window.step()
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fb.Accumulator"
+
     def __init__(self, engine: Engine, state: WindowState) -> None:
         self._engine = engine
         self._state = state
+
+    def fullbatch_clip(self) -> tuple[float, float, float] | None:
+        """The clip folded into the multiply of the step being taken, as ``fb.probe`` reports
+        it: ``(max_grad_norm, the norm before the clip, its coefficient)``; None without one.
+        """
+        verdict, limit = self._engine.verdict, self._engine.step_plan.max_grad_norm
+        if verdict is None or limit is None or not verdict.clip < 1.0:
+            return None
+        return limit, verdict.grad_norm, verdict.clip
 
     @property
     def index(self) -> int:
@@ -86,15 +99,13 @@ class Window:
         if item is None:
             self._state.phase = Phase.EXHAUSTED
             raise StopIteration
-        micro, self._state.current_final, self._state.current_padding = item
-        self._state.current_backwards = 0
-        self._state.yielded += 1
-        self._engine.mistakes.see(self, micro)
-        check = self._engine.pack_check
-        if check is not None and check.pending and not self._state.by_run:
-            check.see(self, micro)  # pack=True in the plain loop: its forward is watched
+        state = self._state
+        micro, state.current_final, state.current_padding = item
+        state.current_backwards = 0
+        state.yielded += 1
+        self._engine.watches.on_micro_batch(state, micro)
         # The sync state is chosen before the forward: DDP and FSDP decide at forward time.
-        self._engine.sync.begin(self._state.current_final)
+        self._engine.sync.begin(state.current_final)
         return micro
 
     def __len__(self) -> int:
@@ -117,7 +128,7 @@ class Window:
                 "window.totals needs counts= on the Accumulator, e.g. "
                 "fb.Accumulator(..., counts={'tokens': lambda m: fb.count_tokens(m['labels'])})."
             )
-        self._engine.mistakes.totals_read(self)
+        self._state.totals_read = True
         return dict(self._state.totals)
 
     # -- backward --------------------------------------------------------------------------
@@ -177,9 +188,6 @@ class Window:
                 "loss does not require grad: it was computed under torch.no_grad() or from "
                 "detached tensors, so backward would change nothing."
             )
-        guard = self._engine.guard
-        if not guard.gradients_intact():
-            self._abandon_cleared("between two window.backward calls")
         sync = self._engine.sync
         if self._state.current_backwards > 0 and sync.single_backward(self._state.current_final):
             raise RuntimeError(
@@ -188,13 +196,12 @@ class Window:
                 "terms into one backward, or build the Accumulator with ddp_sync='step'."
             )
         checked = check_count(count) if form == "count" else 0.0
-        check = self._engine.pack_check
-        if check is not None and check.watch is not None and self._state.current_backwards == 0:
-            check.before_backward(self)  # raises (window abandoned) when packed rows leak
-        error = self._engine.mistakes.before_backward(self, loss, count)
-        if error is not None:  # a migration mistake (_mistakes.py), caught before backward
+        watches = self._engine.watches
+        try:  # the checks of the loop (_checks.py): one that raises ends the window first
+            watches.before_backward(self._state, loss, count)
+        except BaseException:
             abandon_locally(self)
-            raise error
+            raise
         if loss.dim():
             loss = loss.reshape(())
         if self._state.current_padding:
@@ -213,13 +220,8 @@ class Window:
         buffers = self._engine.grad_buffers
         if buffers is not None:  # accumulate_dtype: move .grad into the buffers
             buffers.after_backward()
-        guard.after_backward()
+        watches.after_backward(self._state)
         self._record(loss, checked, form)
-
-    def _abandon_cleared(self, where: str) -> None:
-        """Gradients were cleared behind fullbatch's back: end the window, raise with the fix."""
-        abandon_locally(self)
-        raise RuntimeError(self._engine.guard.cleared_message(self.index, where))
 
     def _seed(self, loss: torch.Tensor, form: str) -> torch.Tensor:
         """The gradient backward starts from: ``c`` (count form) or 1, times the scaler's scale.
@@ -369,8 +371,11 @@ class Window:
             )
         if not self._state.final_backward and self._state.yielded > 0:
             raise RuntimeError(f"the final micro-batch had no backward. {_FINAL_BACKWARD_FIX}")
-        if not self._engine.guard.gradients_intact():
-            self._abandon_cleared("after the last window.backward, before window.step()")
+        try:  # e.g. gradients cleared after the last backward: the window ends first
+            self._engine.watches.before_step(self._state)
+        except BaseException:
+            abandon_locally(self)
+            raise
         self._state.phase = Phase.STEPPING
         return step_window(self._engine, self._state)
 

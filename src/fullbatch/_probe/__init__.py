@@ -1,23 +1,54 @@
 """``fb.probe`` and ``fullbatch probe``: check any training code's accumulation, unchanged.
 
+Design (read this before adding an engine). A window's check has three parts, each with one
+home:
+
+- **the reference** (``_reference``): the declared objective's gradient over the window's
+  recorded micro-batches, recomputed once per window with ``torch.autograd.grad`` (no
+  ``.grad``, RNG, buffer or reducer touched) and summed over the ranks; its band run gives the
+  rounding band and a sample of the per-coordinate rounding;
+- **the applied gradient** (``_applied``): a small protocol, ``AppliedGradient`` (``params()``,
+  ``applied()``, ``leftover()``, ``unsupported()``, and the ``claims(seen)`` class method),
+  one class per engine. Today one reader, ``_applied_grad`` (``.grad``: plain modules and
+  DDP). **A new engine is one new module with one class implementing the protocol, and one
+  line in ``_applied.READERS``** ahead of the ``.grad`` reader: FSDP2 (``DTensor`` gradients,
+  ``full_tensor()``), DeepSpeed ZeRO (``safe_get_full_grad``, its engine found among
+  ``Seen.wrappers``). It says whether it claims a window, returns whole gradients after the
+  engine's own accumulation scaling, and says why it cannot when it cannot; nothing else in the
+  probe changes (the reference may need a hint where the engine's hooks fire in backward: that
+  is ``_reference``'s, not the reader's);
+- **the judge** (``_judge``): alone decides ``ok``, the pattern and the sentence from the
+  measured numbers (``_measured.Measured``), by the rule in its docstring (error against the
+  band's tolerance, and every fitted weight and factor against its own measured precision),
+  so the verdict and the diagnosis cannot disagree.
+
+A window is what the optimizers stepped between two micro-batches apply: ``_window.WindowData``
+holds every stepped optimizer, and its parameters are checked together. Who stepped is read
+from declarations (``_engines``: fullbatch's routes set ``fullbatch_route``; the Accumulator
+publishes its clip), never from class names or another module's local variables.
+
 One job per module:
 
 - ``_run``: :func:`probe` and its context manager (hooks in, windows checked, hooks out);
 - ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state);
-- ``_where``: the call stack: the engine's micro-batch around a forward, the engine stepping;
-- ``_objective``: the declared objective's ``(loss_sum, count)`` per micro-batch;
-- ``_recompute``: replay a window's micro-batches with ``torch.autograd.grad`` (no ``.grad``,
-  RNG, buffer or reducer touched); the rounding band;
-- ``_sample``: the gradient coordinates the weight fit looks at; ``_norms``: squared norms
-  and distances of gradient lists, a chunk at a time;
-- ``_check``: one window at ``step()``: sums over ranks, comparison, tolerance;
-- ``_fit``, ``_diagnose``, ``_fixes``: each micro-batch's weight, the pattern, the fix;
+- ``_frames``: the engine's micro-batch and labels around a forward, in the loop's frames;
+- ``_engines``: who stepped the optimizer (declared routes, foreign engines by package);
+- ``_call_loss``: the declared objective's ``(loss_sum, count)`` per recorded call;
+- ``_replay``: one call replayed and differentiated; ``_reference``: the window's reference,
+  its band and its sum over ranks;
+- ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
+  the ``.grad`` reader;
+- ``_sample``: the gradient coordinates the weight fit looks at;
+- ``_window``: one window at ``step()``: reference against applied gradient over every rank;
+- ``_fit``: each micro-batch's weight, the factor, the leftover, and their precisions;
+- ``_measured``: what a window's check measured; ``_patterns``: the shapes mistakes leave on
+  the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_fixes``: the fix;
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`;
 - ``_cli``: the ``fullbatch probe`` command.
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without
-torch.
+torch; checking code that does not use ``fb.Accumulator`` never imports the engine.
 """
 
 from __future__ import annotations

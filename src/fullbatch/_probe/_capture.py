@@ -19,8 +19,8 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from fullbatch._base._rng import RngState
-from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
-from fullbatch._probe._where import find_labels, find_micro
+from fullbatch._base._sync._probe import is_ddp
+from fullbatch._probe._frames import find_labels, find_micro
 
 __all__ = ["Call", "Capture", "autocast_state"]
 
@@ -154,14 +154,16 @@ class _Frame:
 class Capture:
     """Forward hooks that append a :class:`Call` per root forward to ``calls``.
 
-    ``on_first(call)`` runs at the first call of a window (before it is recorded), so the
-    gradients present before the window's first backward can be looked at.
+    ``on_first(module, wrappers)`` runs at the first call of a window (before it is recorded),
+    so the gradients present before the window's first backward can be looked at. ``outer``
+    holds every outermost module that ran with gradients since the last :meth:`take` (the
+    wrappers and the modules inside them), for the window's gradient reader.
     """
 
     model: nn.Module | None
-    on_first: Callable[[nn.Module], None]
+    on_first: Callable[[nn.Module, tuple[nn.Module, ...]], None]
     calls: list[Call] = field(default_factory=list)
-    unsupported: str | None = None
+    outer: dict[int, nn.Module] = field(default_factory=dict)
     paused: bool = False
     _stack: list[_Frame] = field(default_factory=list)
     _handles: list[RemovableHandle] = field(default_factory=list)
@@ -199,21 +201,22 @@ class Capture:
         self._handles = []
         self._stack.clear()
 
-    def take(self) -> list[Call]:
-        """The calls of the window that ends now; the next window starts empty."""
+    def take(self) -> tuple[list[Call], tuple[nn.Module, ...]]:
+        """The calls of the window that ends now and the outer modules seen; the next window
+        starts empty."""
         calls, self.calls = self.calls, []
-        return calls
+        outer, self.outer = tuple(self.outer.values()), {}
+        return calls, outer
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self.paused or _in_backward():  # activation checkpointing re-runs forwards there
             return
-        outer = all(frame.kind == "wrapper" for frame in self._stack)
-        if not outer:
+        outermost = all(frame.kind == "wrapper" for frame in self._stack)
+        if not outermost:
             self._stack.append(_Frame("inner", module))
             return
-        why = unsupported_wrapper(module)
-        if why is not None and torch.is_grad_enabled():
-            self.unsupported = self.unsupported or why
+        if torch.is_grad_enabled():
+            self.outer.setdefault(id(module), module)
         if _wrapper_kind(module) is not None:
             self._stack.append(_Frame("wrapper", module))
             return
@@ -221,7 +224,7 @@ class Capture:
             self._stack.append(_Frame("inner", module))
             return
         if not self.calls:
-            self.on_first(module)
+            self.on_first(module, tuple(f.module for f in self._stack))
         self._stack.append(_Frame("root", module, RngState(), autocast_state()))
 
     def _post(self, module: nn.Module, args: Any, *rest: Any) -> None:

@@ -22,8 +22,6 @@ from fullbatch._verify._cli import positive_int
 
 __all__ = ["add_arguments", "run"]
 
-_OBJECTIVES = ("causal_lm", "token", "sample")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``probe``'s options to its subcommand parser.
@@ -116,39 +114,25 @@ def _module_exists(name: str) -> bool:
 
 def _objective(spec: str | None) -> Any:
     """A built-in objective's name, or the function a ``MODULE:FN`` / ``FILE.py:FN`` names."""
-    import importlib
-    import importlib.util
+    from fullbatch._proof._loader import LoadError, load_function
+    from fullbatch._proof._objective import OBJECTIVES
 
-    if spec is None or spec in _OBJECTIVES:
+    if spec is None or spec in OBJECTIVES:
         return spec
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
+    if ":" not in spec:
         raise UsageError(
-            f"--objective {spec}: expected one of {', '.join(_OBJECTIVES)} or MODULE:FN, e.g. "
+            f"--objective {spec}: expected one of {', '.join(OBJECTIVES)} or MODULE:FN, e.g. "
             "--objective mylosses:token_loss"
         )
     try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise UsageError(f"--objective {spec}: no such file {module_name}")
-            loaded = importlib.util.spec_from_file_location(
-                "_fullbatch_probe_objective", module_name
-            )
-            assert loaded is not None and loaded.loader is not None
-            module = importlib.util.module_from_spec(loaded)
-            loaded.loader.exec_module(module)
-        else:
-            sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(module_name)
-            finally:
-                sys.path.remove(os.getcwd())
-    except (ImportError, SyntaxError) as error:
-        raise UsageError(f"--objective {spec}: cannot import {module_name}: {error}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UsageError(f"--objective {spec}: {module_name} has no function {attr}")
-    return fn
+        return load_function(
+            spec,
+            option="--objective",
+            wanted="a function fn(model, micro) -> (loss_sum, count)",
+            example="mylosses:token_loss",
+        )
+    except LoadError as error:
+        raise UsageError(str(error)) from None
 
 
 def _execute(kind: str, name: str, args: list[str]) -> int | None:

@@ -1,12 +1,16 @@
-"""See ``torch.nn.utils.clip_grad_norm_`` calls while windows are probed.
+"""See the gradient clips of a window while it is probed.
 
 Engines clip between the last backward and ``step()`` (the Hugging Face Trainer through
-Accelerate, Lightning's ``gradient_clip_val``), so the gradient at ``step()`` is the window's
-gradient times the clip's coefficient. While probing, ``torch.nn.utils.clip_grad_norm_`` is
-replaced by a wrapper that calls the original and records the coefficient it applied; the
-reference is multiplied by it, so the comparison is the one before the clip. The original is
-put back when probing ends. ``clip_grad_value_`` (entry-wise, no full-batch equivalent) is
-recorded so the window says why it cannot be compared.
+Accelerate, Lightning's ``gradient_clip_val``, a loop's ``clip_grad_norm_``), so the gradient at
+``step()`` is the window's gradient times the clip's coefficient. While probing, the function
+that applies the clip, ``torch.nn.utils.clip_grad._clip_grads_with_norm_`` (which
+``clip_grad_norm_`` looks up in its module when it runs, and which ``torch.nn.utils`` exports as
+``clip_grads_with_norm_``), is wrapped to record the coefficient it multiplies by: a
+``clip_grad_norm_`` imported before the probe started (``from torch.nn.utils import
+clip_grad_norm_``) is seen too. The reference is multiplied by that coefficient, so the
+comparison is the one before the clip. The originals are put back when probing ends.
+``clip_grad_value_`` (entry-wise, no full-batch equivalent) is recorded where it is looked up
+(``torch.nn.utils.clip_grad_value_``) so the window says why it cannot be compared.
 """
 
 from __future__ import annotations
@@ -40,17 +44,19 @@ class ClipObserver:
     _saved: dict[str, Any] = field(default_factory=dict)
 
     def start(self) -> None:
-        norm = torch.nn.utils.clip_grad_norm_
+        apply = clip_module._clip_grads_with_norm_
         value = torch.nn.utils.clip_grad_value_
 
-        @functools.wraps(norm)
-        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(apply)
+        def clip_grads_with_norm_(
+            parameters: Any, max_norm: float, total_norm: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> Any:
             params = _listed(parameters)
-            total = norm(params, max_norm, *args, **kwargs)
-            coef = (max_norm / (total.detach() + 1e-6)).clamp(max=1.0)
+            norm = torch.as_tensor(total_norm).detach()
+            coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # as torch computes it
             ids = frozenset(id(p) for p in params)
-            self.clips.append(Clip(ids, float(max_norm), float(total), float(coef)))
-            return total
+            self.clips.append(Clip(ids, float(max_norm), float(norm), float(coef)))
+            return apply(params, max_norm, total_norm, *args, **kwargs)
 
         @functools.wraps(value)
         def clip_grad_value_(parameters: Any, clip_value: float, *args: Any, **kwargs: Any) -> Any:
@@ -60,18 +66,19 @@ class ClipObserver:
             return value(params, clip_value, *args, **kwargs)
 
         self._saved = {
-            "clip_grad_norm_": (norm, clip_grad_norm_),
-            "clip_grad_value_": (value, clip_grad_value_),
+            "_clip_grads_with_norm_": (apply, clip_grads_with_norm_, (clip_module,)),
+            "clip_grads_with_norm_": (apply, clip_grads_with_norm_, (torch.nn.utils,)),
+            "clip_grad_value_": (value, clip_grad_value_, (torch.nn.utils, clip_module)),
         }
-        for name, (_, wrapper) in self._saved.items():
-            setattr(torch.nn.utils, name, wrapper)
-            setattr(clip_module, name, wrapper)
+        for name, (_, wrapper, owners) in self._saved.items():
+            for owner in owners:
+                setattr(owner, name, wrapper)
 
     def stop(self) -> None:
         """Put the originals back (where the attribute is still this observer's wrapper)."""
-        for name, (original, wrapper) in self._saved.items():
-            for owner in (torch.nn.utils, clip_module):
-                if getattr(owner, name) is wrapper:
+        for name, (original, wrapper, owners) in self._saved.items():
+            for owner in owners:
+                if getattr(owner, name, None) is wrapper:
                     setattr(owner, name, original)
         self._saved = {}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fullbatch._probe._where import Engine
+from fullbatch._probe._engines import Engine
 
 __all__ = ["fix"]
 
@@ -15,39 +15,44 @@ _ACCUMULATOR = (
 
 def _route(engine: Engine) -> str:
     """The fullbatch route that makes this engine's accumulation exact."""
-    name = engine.name
     if engine.fullbatch:
         return (
-            f"{name} is fullbatch's own route, so its loss is not the declared objective: make "
-            "loss= (or exact_loss / the returned count) and the probe's objective= the same loss"
+            f"{engine.name} is fullbatch's own route, so its loss is not the declared objective: "
+            "make loss= (or exact_loss / the returned count) and the probe's objective= the "
+            "same loss"
         )
-    for trainer in ("SFTTrainer", "DPOTrainer", "GRPOTrainer"):
-        if name.startswith("trl.") and trainer in name:
-            return f"use fullbatch.trl.Exact{trainer} in place of trl.{trainer} (same arguments)"
-    if name.startswith("trl."):
+    package, trainer = engine.package, engine.trainer or ""
+    if package == "trl":
+        for name in ("SFTTrainer", "DPOTrainer", "GRPOTrainer"):
+            if name in trainer:
+                return f"use fullbatch.trl.Exact{name} in place of trl.{name} (same arguments)"
         return "subclass class Exact(fullbatch.hf.ExactTrainer, YourTrainer) with exact_loss"
-    if "transformers" in name:
+    if package == "transformers":
         return "use fullbatch.hf.ExactTrainer(..., loss=...) in place of the Trainer"
-    if name == "Lightning":
+    if package == "lightning":
         return (
             "add fullbatch.lightning.ExactAccumulation() to the Trainer's callbacks and return "
             "{'loss': loss_sum, 'count': n} from training_step"
         )
-    if name == "Accelerate":
+    if package == "accelerate":
         return f"{_ACCUMULATOR} (on the prepared model and optimizer, instead of accumulate())"
-    if name == "Composer":
+    if package == "composer":
         return (
             "count and average the same tokens with counts = fullbatch.composer.TokenCounts(): "
             "DataSpec(loader, get_num_tokens_in_batch=counts), the model's loss returns "
             "counts.loss(logits, batch), and Trainer(accumulate_train_batch_on_tokens=True)"
         )
-    if name == "ColossalAI":
+    if package == "colossalai":
         return (
             f"{_ACCUMULATOR} (on the boosted model and optimizer; ddp_sync='step' when a "
             "micro-batch takes several backward passes)"
         )
-    if name == "Super-Gradients":
-        return f"{_ACCUMULATOR} (a loop around the model and its loss, not batch_accumulate)"
+    if package == "super_gradients":
+        return (
+            "use fullbatch.super_gradients.ExactTrainer in place of Trainer (same arguments) "
+            "with training_params['loss'] = SummedLoss(fn), fn(outputs, targets) -> "
+            "(loss_sum, count)"
+        )
     return _ACCUMULATOR
 
 
@@ -71,6 +76,18 @@ def fix(pattern: str, engine: Engine) -> str:
         )
     if pattern == "counted twice":
         return f"Fix: one backward per micro-batch (sum its loss terms first), or {_route(engine)}."
+    if pattern == "loss differs":
+        return (
+            "Fix: declare the loss you train, objective=fn(model, micro) -> (loss_sum, count) "
+            "summed over the micro-batch's items (--objective FILE.py:FN), and probe again; "
+            "what remains is then the accumulation's."
+        )
+    if pattern == "per-rank count":
+        return (
+            "Fix: divide every rank's loss sum by the window's item count over all ranks (one "
+            "all-reduce of the count before backward, then multiply by the world size that DDP "
+            f"averages over), or {_ACCUMULATOR}."
+        )
     if pattern == "partial window":
         return (
             "Fix: normalize a short window by its own item count, and step after micro-batches "

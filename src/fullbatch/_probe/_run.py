@@ -10,14 +10,16 @@ from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 from torch.utils.hooks import RemovableHandle
 
+from fullbatch._probe._applied import Seen, applied_gradient
 from fullbatch._probe._capture import Capture
-from fullbatch._probe._check import check_window, trained
 from fullbatch._probe._clip import Clip, ClipObserver
-from fullbatch._probe._diagnose import Measured, diagnose
-from fullbatch._probe._objective import check_objective
+from fullbatch._probe._engines import find_engine
+from fullbatch._probe._judge import judge
+from fullbatch._probe._measured import Measured
 from fullbatch._probe._report import ProbeReport, WindowCheck
 from fullbatch._probe._sample import Sampler
-from fullbatch._probe._where import find_engine
+from fullbatch._probe._window import WindowData, measure
+from fullbatch._proof._objective import check_objective
 
 __all__ = ["Probe", "ProbeFinished", "probe"]
 
@@ -85,11 +87,11 @@ class Probe:
         k_max = max((len(m.counts) for m in self._measured), default=0)
         checks = []
         for m in self._measured:
-            pattern, text = diagnose(m, k_max)
+            verdict = judge(m, k_max)
             checks.append(
                 WindowCheck(
                     step=m.step,
-                    ok=m.ok,
+                    ok=verdict.ok,
                     error=m.error,
                     band=m.band,
                     tolerance=m.tolerance,
@@ -97,12 +99,15 @@ class Probe:
                     count=m.count,
                     weights=m.fit.weights,
                     leftover=m.fit.leftover,
-                    diagnosis=text,
-                    pattern=pattern,
+                    diagnosis=verdict.sentence,
+                    pattern=verdict.pattern,
                     engine=m.engine.name,
                     objective=m.objective,
                     ranks=m.ranks,
                     clip=m.clip,
+                    precision=m.fit.stderr,
+                    factor=m.fit.factor,
+                    factor_precision=m.fit.factor_stderr,
                 )
             )
         problems = list(self._problems)
@@ -154,10 +159,13 @@ class Probe:
             self._samplers[id(module)] = sampler
         return sampler
 
-    def _first_call(self, module: nn.Module) -> None:
+    def _first_call(self, module: nn.Module, wrappers: tuple[nn.Module, ...]) -> None:
         """The window's first forward of ``module``: keep what gradient it already holds."""
         sampler = self.sampler_for(module)
-        grads = [p.grad for p in sampler.params]
+        reader = applied_gradient(Seen(tuple(sampler.params), (module,), wrappers))
+        if reader.unsupported() is not None:
+            return
+        grads = reader.leftover()
         if any(g is not None for g in grads):
             self._leftovers[id(module)] = sampler.take(grads)
 
@@ -189,27 +197,30 @@ class Probe:
         if self._done:
             return
         self._steps += 1
-        calls = self._capture.take()
-        leftovers, self._leftovers = self._leftovers, {}
-        clips = self._clips.take({id(p) for p in trained(optimizer)})
-        if self._capture.unsupported is not None:
+        calls, outer = self._capture.take()
+        window = WindowData(self._steps, calls, [optimizer], self._leftovers)
+        self._leftovers = {}
+        params = window.params
+        window.clips = self._clips.take({id(p) for p in params})
+        engine = find_engine()
+        if engine.clip is not None:  # clipped by the engine's own multiply: as it published
+            max_norm, total, coef = engine.clip
+            window.clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
+        reader = applied_gradient(self._seen(window, outer))
+        why = reader.unsupported()
+        if why is not None:
             self._problems.append(
-                f"unsupported: {self._capture.unsupported}; the probe checks gradients in each "
-                "parameter's .grad at step() (plain loops, DDP, the Hugging Face Trainer, TRL, "
-                "Lightning, Accelerate)"
+                f"unsupported: {why}; the probe reads the gradient the optimizer applies "
+                "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
+                "Trainer, TRL, Lightning, Accelerate)"
             )
             self._finish()
             return
-        engine = find_engine()
-        if engine.clip is not None:  # clipped by the engine's own multiply: seen in its verdict
-            max_norm, total, coef = engine.clip
-            clips.append(Clip(frozenset(id(p) for p in trained(optimizer)), max_norm, total, coef))
         self._capture.paused = True
         try:
-            measured = check_window(
-                step=self._steps, calls=calls, optimizer=optimizer, sampler_for=self.sampler_for,
-                leftovers=leftovers, objective=self.objective, ranks=self.ranks, clips=clips,
-                engine=engine,
+            measured = measure(
+                window, reader, sampler_for=self.sampler_for, objective=self.objective,
+                ranks=self.ranks, engine=engine,
             )  # fmt: skip
         except BaseException as error:
             self.failed = error
@@ -222,6 +233,17 @@ class Probe:
             self._finish()
             if self.stop:
                 raise ProbeFinished
+
+    def _seen(self, window: WindowData, outer: tuple[nn.Module, ...]) -> Seen:
+        """The window's parameters (every optimizer's, then those of the module that ran that
+        no optimizer trains), the modules that ran and the wrappers seen."""
+        params = window.params
+        mine = window.calls_of(params)
+        ids = {id(p) for p in params}
+        sampled = self.sampler_for(mine[0].module).params if mine else []
+        extra = [p for p in sampled if id(p) not in ids]
+        modules = tuple({id(c.module): c.module for c in mine}.values())
+        return Seen(tuple(params + extra), modules, outer)
 
 
 def probe(

@@ -7,15 +7,17 @@ One job per module:
   with ``_recorder`` (an optimizer that records the gradient and changes nothing);
 - ``_verdict``: from the arms' gradients to the report (errors, diagnosis, notes);
 - ``_additivity``: is ``loss_fn`` a sum of per-item terms, and if not, why not;
-- ``_objective``: is ``loss_fn``'s count the declared objective's; ``_share``: the share form;
+- ``_declared``: is ``loss_fn``'s count the declared objective's; ``_share``: the share form;
 - ``_bn``: which BatchNorm layers ``batchnorm="window"`` makes exact;
-- ``_precision``: the dtype compared in and its tolerance;
+- ``_precision``: the dtype compared in and its tolerance (the band's rule is in
+  :mod:`fullbatch._proof`, shared with the probe);
 - ``_report``: :class:`VerifyReport` and its readable text;
 - ``_pack_run``: ``verify(..., pack=True)``: does padding-free packing respect the row
   boundaries on this model (gradient against a measured band, a leak probe, the cause);
 - ``_hf_check`` and ``_isolate``: ``fullbatch.hf.check_trainer`` on a copy that shares
   nothing with the user's model;
-- ``_cli``, ``_load``, ``_data``: the ``fullbatch verify`` command, its model and data loading.
+- ``_cli``, ``_load``, ``_data``: the ``fullbatch verify`` command, its model and data loading
+  (``MODULE:FN`` through :mod:`fullbatch._proof._loader`).
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without
 torch.

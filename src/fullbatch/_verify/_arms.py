@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,20 +18,20 @@ from torch import nn
 
 from fullbatch._base._split import count_rows, take_rows
 from fullbatch._engine._accumulator import Accumulator
+from fullbatch._proof._norms import norm
+from fullbatch._proof._objective import check_loss_output
 from fullbatch._verify._recorder import GradientRecorder
 
 __all__ = [
     "ArmResult",
     "LossFn",
     "call_loss",
-    "check_loss_output",
     "compare",
     "full_batch_arm",
     "fullbatch_arm",
     "grad_norm",
     "naive_arm",
     "relative",
-    "reverse_rows",
 ]
 
 Grads = dict[str, torch.Tensor | None]
@@ -51,73 +51,9 @@ class ArmResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def check_loss_output(out: Any) -> tuple[torch.Tensor, float]:
-    """``(loss_sum, count)`` from what ``loss_fn`` returned, or an error naming what it was.
-
-    >>> check_loss_output(torch.tensor(2.0))
-    Traceback (most recent call last):
-    ...
-    TypeError: loss_fn returned a Tensor, expected (loss_sum, count): ...
-    """
-    if not (isinstance(out, tuple) and len(out) == 2):
-        what = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
-        raise TypeError(
-            f"loss_fn returned {what}, expected (loss_sum, count): the loss summed over the "
-            "micro-batch's items (a 0-dim tensor) and how many items, e.g. "
-            "`return fb.cross_entropy_sum(model(x), y)`."
-        )
-    loss, count = out
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"loss_fn returned loss_sum as a {type(loss).__name__}, expected a 0-dim "
-            "torch.Tensor with a gradient (the loss summed over items): do not call .item() "
-            "or float() on it."
-        )
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn returned a loss of shape {tuple(loss.shape)}: it must be a 0-dim sum "
-            "over items (call .sum() with reduction='none', or use reduction='sum')."
-        )
-    if torch.is_grad_enabled() and not loss.requires_grad:
-        raise ValueError(
-            "loss_fn returned a loss_sum that does not require grad (computed under "
-            "torch.no_grad(), detached, or from frozen parameters only); return the loss "
-            "with its graph."
-        )
-    try:
-        return loss, float(count)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"loss_fn returned count as {type(count).__name__} {count!r}, expected a number "
-            "or a 0-dim tensor: how many items loss_sum sums over."
-        ) from None
-
-
 def call_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, float]:
     """Call ``loss_fn(model, batch)`` and check it returned ``(loss_sum, count)``."""
     return check_loss_output(loss_fn(model, batch))
-
-
-def reverse_rows(batch: Any, rows: int) -> Any:
-    """``batch`` with its ``rows`` rows in reverse order (tensor leaves with a dimension).
-
-    The full batch in another row order is the same math with different rounding: how far its
-    gradient moves is part of the model's own rounding band.
-
-    >>> reverse_rows({"x": torch.arange(3), "n": 2}, 3)
-    {'x': tensor([2, 1, 0]), 'n': 2}
-    """
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return batch
-        return batch[torch.arange(rows - 1, -1, -1, device=batch.device)]
-    if isinstance(batch, Mapping):
-        return {k: reverse_rows(v, rows) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(reverse_rows(v, rows) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(reverse_rows(v, rows) for v in batch)
-    return batch
 
 
 def _take_grads(params: list[tuple[str, nn.Parameter]]) -> Grads:
@@ -220,9 +156,8 @@ def fullbatch_arm(
 
 
 def grad_norm(grads: Grads) -> float:
-    """Total 2-norm of all gradients, in float64."""
-    total = sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None)
-    return math.sqrt(total)
+    """Total 2-norm of all gradients, in float64 (a chunk at a time)."""
+    return norm(list(grads.values()))
 
 
 def relative(value: float, reference: float) -> float:

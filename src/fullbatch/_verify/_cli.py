@@ -177,7 +177,7 @@ def _batch(args: argparse.Namespace, loaded: Any) -> tuple[dict[str, Any], list[
 
 def _guarded(loss_fn: Any, prefix: str, culprit: str) -> Any:
     """``loss_fn`` whose errors (its own, or the model's forward) become one-line InputErrors."""
-    from fullbatch._verify._arms import check_loss_output
+    from fullbatch._proof._objective import check_loss_output
     from fullbatch._verify._load import InputError, one_line
 
     def guarded_loss_fn(model: Any, micro: Any) -> Any:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from fullbatch._base._modelstate import disable_dropout
+from fullbatch._proof._tolerance import BAND_CAP, tolerance
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._isolate import Untouched, isolated_copy
-from fullbatch._verify._precision import BAND_CAP, BAND_FACTOR, dtype_name
+from fullbatch._verify._precision import dtype_name
 from fullbatch._verify._report import GradientComparison, _fmt
 
 __all__ = ["TrainerCheck", "check_trainer"]
@@ -49,7 +50,8 @@ class TrainerCheck:
         full_batch_loss: the loss the Trainer logs for the full batch; full_batch_grad_norm its
             gradient norm.
         tolerance: relative tolerance: ``rtol``, or ``BAND_FACTOR`` (4) times the measured
-            ``band``, at least ``FLOOR_ULPS`` units in the last place of the parameter dtype.
+            ``band``, at least ``FLOOR_ULPS`` (16) units in the last place of the parameter dtype
+            (:func:`fullbatch._proof._tolerance.tolerance`).
         band: the model's rounding band: how far the full batch moves when only its rows'
             order changes, or the window when only its micro-batches' shape does.
         dtype: the parameters' dtype.
@@ -89,10 +91,6 @@ class TrainerCheck:
 
 #: The Trainer sums logged losses in a float32 tensor, so they are judged to this at best.
 LOSS_TOL = 1e-6
-#: The tolerance is never below this many units in the last place of the parameter dtype: a
-#: full batch whose permuted rows round identically (band 0) still sums micro-batches in
-#: another order.
-FLOOR_ULPS = 16
 
 
 def _error(arm: GradientComparison, tol: float) -> float:
@@ -109,7 +107,7 @@ def _fix(trainer: Any) -> str:
     """The fix that fits this Trainer's class."""
     names = {c.__name__ for c in type(trainer).__mro__}
     cls = type(trainer).__name__
-    if "ExactTrainer" in names:
+    if isinstance(getattr(trainer, "fullbatch_route", None), str):  # one of fullbatch's routes
         return (
             f"{cls} is fullbatch's, so its loss is at fault: loss= (or exact_loss) must return "
             "the micro-batch's loss summed over its items and that count, for this head"
@@ -327,10 +325,8 @@ def check_trainer(
             "the micro-batches carry no attention_mask, so the band was measured by reordering "
             "rows only (kernels that switch with the sequence length are not covered)"
         )
-    floor = FLOOR_ULPS * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-    tol = rtol if rtol is not None else max(BAND_FACTOR * band, floor)
+    tol = rtol if rtol is not None else tolerance(band, dtype)
     if not band <= BAND_CAP:
-        tol = rtol if rtol is not None else floor
         notes.append(
             f"the full batch with its rows reordered moved by {band:.3g}: that is no rounding "
             "(the model is random, not finite, or its rows interact), so the tolerance is "

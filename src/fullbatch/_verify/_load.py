@@ -6,12 +6,7 @@ naming the problem and the fix; the CLI prints it without a traceback and exits 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._base._losses import causal_lm_loss
+from fullbatch._proof._loader import LoadError, load_function, one_line
+from fullbatch._proof._objective import logits_of, objective_loss
 
 __all__ = [
     "InputError",
@@ -34,8 +30,8 @@ __all__ = [
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-class InputError(Exception):
-    """Bad input to ``fullbatch verify``: the message is one line with the fix."""
+#: Bad input to ``fullbatch verify``: the message is one line with the fix (the loader's error).
+InputError = LoadError
 
 
 @dataclass
@@ -47,11 +43,6 @@ class LoadedModel:
     tokenizer: Any | None
     vocab_size: int | None
     pad_id: int
-
-
-def one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
@@ -91,73 +82,13 @@ def _load_checkpoint(path: Path) -> tuple[nn.Module, Any | None]:
     return model, tokenizer
 
 
-def _where(error: BaseException) -> str:
-    """`` at file:line``: the innermost frame of the user's code that raised ``error``."""
-    frames = [  # without importlib's frozen frames and this module's own
-        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")
-    ]
-    frames = [f for f in frames if f.filename != __file__]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
 def _import_factory(spec: str) -> Callable[[], Any]:
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise InputError(f"--model {spec}: expected module:factory, e.g. mymodels:make_model")
-    try:
-        if module_name.endswith(".py"):
-            file = Path(module_name)
-            if not file.is_file():
-                raise InputError(f"--model {spec}: no such file {file}; check the path")
-            name = f"_fullbatch_verify_{file.stem}"
-            module_spec = importlib.util.spec_from_file_location(name, file)
-            if module_spec is None or module_spec.loader is None:
-                raise InputError(f"--model {spec}: {file} is not a Python module")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module  # dataclasses and pickling look modules up here
-            # like `python file.py`: modules next to the file (`import common`) are found, also
-            # by imports the factory makes when called; kept for the rest of the process
-            folder = str(file.resolve().parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module_spec.loader.exec_module(module)
-        else:
-            cwd_added = os.getcwd() not in sys.path
-            if cwd_added:  # like `python -m`: modules in the current directory are found
-                sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(module_name)
-            finally:
-                if cwd_added:
-                    sys.path.remove(os.getcwd())
-    except InputError:
-        raise
-    except SyntaxError as error:
-        where = f"{error.filename}:{error.lineno}" if error.filename else module_name
-        raise InputError(
-            f"--model {spec}: syntax error in {where}: {error.msg}; fix the file"
-        ) from error
-    except Exception as error:
-        missing = error.name if isinstance(error, ModuleNotFoundError) else None
-        if missing is not None and module_name.split(".")[0] == missing.split(".")[0]:
-            raise InputError(
-                f"--model {spec}: cannot import {module_name} ({one_line(error)}); put it on "
-                "PYTHONPATH, run from its directory, or pass path/to/file.py:factory"
-            ) from error
-        raise InputError(
-            f"--model {spec}: importing {module_name} failed{_where(error)}: {one_line(error)}"
-        ) from error
-    factory: Any = module
-    for part in attr.split("."):
-        if not hasattr(factory, part):
-            raise InputError(
-                f"--model {spec}: module {module_name} has no attribute {attr!r}; name a "
-                "function that returns a model or (model, loss_fn)"
-            )
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise InputError(f"--model {spec}: {attr} is a {type(factory).__name__}, not callable")
-    return factory
+    return load_function(
+        spec,
+        option="--model",
+        wanted="a function that returns a model or (model, loss_fn)",
+        example="mymodels:make_model",
+    )
 
 
 def _from_factory(spec: str) -> tuple[nn.Module, Any]:
@@ -247,11 +178,10 @@ def load_model(spec: str, *, dtype: torch.dtype | None, device: str) -> LoadedMo
 
 
 def _logits(output: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, Mapping):
-        logits = output.get("logits")
-    if logits is None and isinstance(output, torch.Tensor):
-        logits = output
+    try:
+        logits = logits_of(output)
+    except ValueError:
+        logits = None
     if not isinstance(logits, torch.Tensor) or logits.shape[:2] != input_ids.shape:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
         raise InputError(
@@ -279,4 +209,4 @@ def causal_lm_loss_fn(model: nn.Module, micro: Mapping[str, torch.Tensor]) -> An
         output = model(**kwargs)
     else:
         output = model(input_ids)
-    return causal_lm_loss(_logits(output, input_ids), micro["labels"])
+    return objective_loss("causal_lm", _logits(output, input_ids), micro["labels"])

@@ -8,7 +8,7 @@ A model that computes in lower precision than its parameters (autocast, a float6
 float32 internals) cannot meet its dtype's tolerance: the full batch itself moves by more than
 that when its loss is normalized after backward instead of before, or its rows are permuted.
 That movement is the model's own *rounding band*; :func:`widen_tolerance` then holds fullbatch
-to ``BAND_FACTOR`` times the band, and says so.
+to ``BAND_FACTOR`` times the band (:mod:`fullbatch._proof._tolerance`), and says so.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._proof._tolerance import BAND_CAP, BAND_FACTOR
 from fullbatch._verify._arms import LossFn
 
 __all__ = [
-    "BAND_CAP",
-    "BAND_FACTOR",
     "TOLERANCES",
     "check_autocast",
     "dtype_name",
@@ -40,13 +39,6 @@ TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 2e-3,
 }
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-#: fullbatch passes within this many times the model's own rounding band. Measured on tiny
-#: Llama and GPT-2 (bf16/fp16 autocast, bf16/fp16 parameters, 8 padded rows, 1/2/5 rows per
-#: micro-batch, 3 seeds; 72 runs): fullbatch's error was 0.68-1.36 times the band.
-BAND_FACTOR = 4.0
-#: A band above this is no rounding (bfloat16's epsilon is 7.8e-3): the tolerance is not widened.
-BAND_CAP = 0.1
 
 
 def dtype_name(dtype: torch.dtype) -> str:

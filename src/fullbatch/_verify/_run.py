@@ -17,6 +17,7 @@ from torch import nn
 
 from fullbatch._base._modelstate import ModelSnapshot, disable_dropout
 from fullbatch._base._split import count_rows
+from fullbatch._proof._reorder import reverse_rows
 from fullbatch._verify._additivity import check_additivity
 from fullbatch._verify._arms import (
     LossFn,
@@ -24,9 +25,8 @@ from fullbatch._verify._arms import (
     full_batch_arm,
     fullbatch_arm,
     naive_arm,
-    reverse_rows,
 )
-from fullbatch._verify._objective import DeclaredCounts
+from fullbatch._verify._declared import DeclaredCounts
 from fullbatch._verify._precision import (
     TOLERANCES,
     check_autocast,

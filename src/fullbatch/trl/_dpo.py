@@ -63,6 +63,10 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     'DPOTrainer'
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.trl.ExactDPOTrainer"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs)
         config = given.get("args")

@@ -108,6 +108,10 @@ class ExactGRPOTrainer(GRPOTrainer):
         trainer.train()
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.trl.ExactGRPOTrainer"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")

@@ -62,6 +62,10 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     True
     """
 
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.trl.ExactSFTTrainer"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs)
         super().__init__(*args, **kwargs)
@@ -97,7 +101,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
 
     def exact_count(self, inputs: dict[str, Any]) -> Any:
         """What TRL's fused head counts, before the forward: the causal targets."""
-        return target_count(inputs, causal=True)
+        return target_count(inputs, "causal_lm")
 
     def _micro_stats(self) -> list[torch.Tensor]:
         stats, self._fb_stats = self._fb_stats, []

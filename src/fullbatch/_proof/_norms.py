@@ -6,11 +6,12 @@ vocabulary: gigabytes); chunks of :data:`CHUNK` entries bound the temporaries to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CHUNK", "squared"]
+__all__ = ["CHUNK", "norm", "squared"]
 
 CHUNK = 1 << 20
 
@@ -45,3 +46,12 @@ def squared(a: Grads, b: Grads | None = None, *, scale: float = 1.0) -> float:
 
 def _device(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.device:
     return (x if x is not None else y).device  # type: ignore[union-attr]
+
+
+def norm(a: Grads) -> float:
+    """The total 2-norm of a gradient list (None as zeros), float64, a chunk at a time.
+
+    >>> norm([torch.tensor([3.0]), None, torch.tensor([4.0])])
+    5.0
+    """
+    return math.sqrt(squared(a))

@@ -2,15 +2,10 @@
 
 A count in another unit (rows where the loss sums tokens, ``numel`` with padding, the batch
 total for every micro-batch, a leftover ``/ K``) is self-consistent: fullbatch then equals the
-full batch *of that loss*, and verify's comparison passes. Only a declared objective says what
-the count should be. Every ``loss_fn`` call verify makes is recorded, and each micro-batch's
-count is compared with the objective's count of the same rows:
-
-- ``"causal_lm"``: labels that are not ``-100`` after the causal shift (``shift_labels``,
-  when the batch has them, counted as they are);
-- ``"token"``: labels that are not ``-100``, no shift (masked LM, token classification);
-- ``"sample"``: rows whose label is not ``-100`` (one label per row);
-- ``fn(model, micro) -> (loss_sum, count)``: its count, from a forward without gradients.
+full batch *of that loss*, and verify's comparison passes. Only a declared objective
+(:mod:`fullbatch._proof._objective`) says what the count should be. Every ``loss_fn`` call
+verify makes is recorded, and each micro-batch's count is compared with the objective's count
+of the same rows (a callable objective's count comes from a forward without gradients).
 """
 
 from __future__ import annotations
@@ -22,15 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._base._losses import count_tokens
+from fullbatch._proof._objective import CHOICES, OBJECTIVES, objective_count
 
-__all__ = ["CHOICES", "OBJECTIVES", "DeclaredCounts"]
-
-OBJECTIVES = ("causal_lm", "token", "sample")
-CHOICES = (
-    "objective='causal_lm' (next-token), 'token' (masked LM, token classification), "
-    "'sample' (one label per row) or objective=fn(model, micro) -> (loss_sum, count)"
-)
+__all__ = ["DeclaredCounts"]
 
 
 def _labels(micro: Any, key: str) -> torch.Tensor:
@@ -46,19 +35,10 @@ def _labels(micro: Any, key: str) -> torch.Tensor:
 
 
 def _count(objective: str, micro: Any) -> float:
-    if objective == "causal_lm":
-        if isinstance(micro, Mapping) and isinstance(micro.get("shift_labels"), torch.Tensor):
-            return float(count_tokens(micro["shift_labels"], shift=False))
-        return float(count_tokens(_labels(micro, "labels"), shift=True))
-    labels = _labels(micro, "labels")
-    if objective == "token":
-        return float(count_tokens(labels, shift=False))
-    if labels.dim() != 1:
-        raise ValueError(
-            f"objective='sample' needs one label per row (labels of shape [rows]), got "
-            f"{tuple(labels.shape)}; token labels: objective='token' or 'causal_lm'."
-        )
-    return float((labels != -100).sum())
+    if objective == "causal_lm" and isinstance(micro, Mapping):
+        if isinstance(micro.get("shift_labels"), torch.Tensor):
+            return objective_count(objective, micro["shift_labels"], shifted=True)
+    return objective_count(objective, _labels(micro, "labels"))
 
 
 class DeclaredCounts:

@@ -1,5 +1,4 @@
-"""Look around the call stack: the engine's micro-batch around a forward, and the engine that
-steps the optimizer.
+"""Look around the call stack for the engine's micro-batch around a forward.
 
 Trainers often keep the labels out of the model's call (fullbatch's own ``ExactTrainer``, a
 Lightning ``training_step`` that calls ``self(batch["input_ids"])``, a loop that computes its
@@ -15,13 +14,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["Engine", "find_engine", "find_labels", "find_micro"]
+__all__ = ["find_labels", "find_micro"]
 
 _MICRO_NAMES = ("inputs", "batch", "micro", "micro_batch", "mb", "data")
 _LABEL_NAMES = ("labels", "label", "targets", "target", "y")
@@ -118,100 +116,3 @@ def find_labels(ids: set[int]) -> Any:
                         return value
         frame = frame.f_back
     return None
-
-
-@dataclass(frozen=True)
-class Engine:
-    """Who stepped the optimizer: a short name and whether it is one of fullbatch's routes.
-
-    ``clip``: ``(max_norm, total_norm, coefficient)`` of a clip the engine applied itself, not
-    through ``clip_grad_norm_`` (``fb.Accumulator(max_grad_norm=...)`` folds it into its one
-    multiply; its verdict says by how much).
-    """
-
-    name: str
-    fullbatch: bool = False
-    clip: tuple[float, float, float] | None = None
-
-
-def _class_names(obj: Any) -> tuple[set[str], set[str]]:
-    mro = type(obj).__mro__
-    return {c.__name__ for c in mro}, {c.__module__.split(".")[0] for c in mro}
-
-
-def _lightning(obj: Any) -> Engine | None:
-    try:
-        trainer = obj if type(obj).__name__ == "Trainer" else getattr(obj, "trainer", None)
-    except RuntimeError:  # a LightningModule not attached to a Trainer
-        return None
-    callbacks = getattr(trainer, "callbacks", None) or []
-    if any(type(c).__name__ == "ExactAccumulation" for c in callbacks):
-        return Engine("fullbatch.lightning.ExactAccumulation", fullbatch=True)
-    return Engine("Lightning") if trainer is not None else None
-
-
-def _classify(obj: Any, module: str) -> Engine | None:
-    names, packages = _class_names(obj)
-    cls = type(obj).__name__
-    if module.startswith("fullbatch._engine"):
-        return Engine("fb.Accumulator", fullbatch=True)
-    if "ExactTrainer" in names and "fullbatch" in packages:
-        where = (
-            "fullbatch.trl"
-            if cls.startswith(("ExactSFT", "ExactDPO", "ExactGRPO"))
-            else "fullbatch.hf"
-        )
-        return Engine(f"{where}.{cls}", fullbatch=True)
-    if "trl" in packages and "Trainer" in names:
-        return Engine(f"trl.{cls}")
-    if "transformers" in packages and "Trainer" in names:
-        return Engine(f"transformers.{cls}" if cls == "Trainer" else f"{cls} (transformers)")
-    if packages & {"lightning", "pytorch_lightning"}:
-        return _lightning(obj)
-    if "composer" in packages and "Trainer" in names:
-        return Engine("Composer")
-    if "super_gradients" in packages and "Trainer" in names:
-        return Engine("Super-Gradients")
-    return None
-
-
-#: Optimizer wrappers that step the torch optimizer inside them, by class name: named the
-#: engine only when no engine is found above them (``fb.Accumulator`` steps through them too).
-_WRAPPERS = {"AcceleratedOptimizer": "Accelerate", "OptimizerWrapper": "ColossalAI"}
-
-
-def _accumulator(frame: FrameType) -> Engine:
-    """``fb.Accumulator``, with the clip its verdict applied (``window.step()``'s locals)."""
-    verdict = frame.f_locals.get("verdict")
-    plan = getattr(frame.f_locals.get("engine"), "step_plan", None)
-    limit = getattr(plan, "max_grad_norm", None)
-    clip = getattr(verdict, "clip", None)
-    norm = getattr(verdict, "grad_norm", None)
-    if limit is None or not isinstance(clip, float) or clip >= 1.0 or norm is None:
-        return Engine("fb.Accumulator", fullbatch=True)
-    return Engine("fb.Accumulator", fullbatch=True, clip=(limit, norm, clip))
-
-
-def find_engine() -> Engine:
-    """The engine that is stepping the optimizer now, from the ``self`` of the frames above.
-
-    >>> find_engine().name
-    'a hand-written loop'
-    """
-    frame: FrameType | None = sys._getframe(1)
-    wrapped = None
-    for _ in range(64):
-        if frame is None:
-            break
-        module = frame.f_globals.get("__name__", "")
-        obj = frame.f_locals.get("self") if not _ours(frame) else None
-        if module.startswith("fullbatch._engine"):
-            return _accumulator(frame)
-        if obj is not None:
-            found = _classify(obj, module)
-            if found is not None:
-                return found
-            if wrapped is None:
-                wrapped = next((_WRAPPERS[n] for n in _class_names(obj)[0] if n in _WRAPPERS), None)
-        frame = frame.f_back
-    return Engine(wrapped or "a hand-written loop")
