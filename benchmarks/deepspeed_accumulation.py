@@ -7,13 +7,15 @@ DeepSpeed plugin — at ZeRO stages 0-3 with and without ``offload_optimizer: cp
 window (``gradient_accumulation_steps=4``, SGD lr 1, float32) and prints the relative error of
 the update DeepSpeed applied against a float64 full batch over the same rows computed here:
 
-- ``stock``: the usual recipe (raw/Accelerate: a per-micro-batch mean through
+- ``stock: measured``: the usual recipe (raw/Accelerate: a per-micro-batch mean through
   ``engine.backward``/``accelerator.backward``, on 4 equal micro-batches of 2 fully labelled
   rows, where a mean of means equals the full batch: any error is DeepSpeed's own; Trainer:
   a causal LM that honours ``num_items_in_batch``, a BERT masked-LM head that does not, and the
-  causal LM with ``gradient_clipping`` left out of the config);
-- ``fullbatch``: ``fullbatch.deepspeed.ExactEngine`` (raw, Accelerate) or
-  ``fullbatch.hf.ExactTrainer`` on uneven micro-batches with ``-100`` labels;
+  causal LM with ``gradient_clipping`` left out of the config, which DeepSpeed then fills with
+  1.0 although ``max_grad_norm=0``);
+- ``fullbatch route``: ``fullbatch.deepspeed.ExactEngine`` (raw; Accelerate: on the engine its
+  DeepSpeed plugin prepared) on uneven micro-batches with ``-100`` labels, or
+  ``fullbatch.hf.ExactTrainer`` on the stock row's data and config: its error, or its refusal;
 - ``probe``: ``fb.probe``'s verdict on the stock run, once it supports DeepSpeed (:func:`probe`
   is the one function to fill in); ``n/a`` until then.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import multiprocessing as mp
 import os
 import sys
@@ -136,6 +139,7 @@ def _engine(kind: str, stage: int, offload: bool, world: int) -> tuple[Any, Any]
 
 
 def engine_row(kind: str, rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
+    """``{recipe: (stock error, fullbatch's error or refusal)}`` for a raw or Accelerate engine."""
     import fullbatch as fb
     from fullbatch.deepspeed import ExactEngine
 
@@ -156,16 +160,20 @@ def engine_row(kind: str, rank: int, world: int, stage: int, offload: bool) -> d
     try:
         exact = ExactEngine(engine, count=lambda m: int((m[1] != -100).sum()))
     except ValueError as exc:
-        return {"stock": stock, "fullbatch": "refused: " + str(exc).split(": ", 1)[1][:48]}
+        return {"mean loss": (stock, _refused(exc))}
     before = full_params(engine.module)
     for window in exact.windows(micro_batches(rank, uneven=True)):
         for x, y in window:
             window.backward(*fb.cross_entropy_sum(engine(x), y))
         window.step()
     return {
-        "stock": stock,
-        "fullbatch": update_error(before, engine.module, full_batch_update(world, True)),
+        "mean loss": (stock, update_error(before, engine.module, full_batch_update(world, True)))
     }
+
+
+def _refused(exc: Exception) -> str:
+    why = str(exc).split(": ", 1)[-1]
+    return "refused: " + (why if len(why) <= 70 else why[:67] + "...")
 
 
 # -- the Hugging Face Trainer ---------------------------------------------------------------
@@ -209,6 +217,7 @@ def _hf_model(kind: str) -> torch.nn.Module:
                 num_attention_heads=2,
                 num_key_value_heads=2,
                 pad_token_id=0,
+                initializer_range=0.2,  # a full-batch gradient norm of 1.4: DeepSpeed's 1.0 clips
             )
         )
     from transformers import BertConfig, BertForMaskedLM
@@ -277,11 +286,12 @@ def trainer_error(kind: str, stage: int, offload: bool, world: int, exact: bool,
             if exact:
                 from fullbatch.hf import ExactTrainer
 
-                trainer: Any = ExactTrainer(**kwargs, loss=kind)
+                loss = "token" if kind == "masked_lm" else kind  # fullbatch.hf.LOSS_KINDS
+                trainer: Any = ExactTrainer(**kwargs, loss=loss)
             else:
                 trainer = Trainer(**kwargs)
         except ValueError as exc:
-            return "refused: " + str(exc).split(": ", 1)[1][:48]
+            return _refused(exc)
         trainer.train()
     # rank r read rows r*2.., r*2+world*2.. (DistributedSampler, sequential): gather them all
     got = [a - b for a, b in zip(full_params(trainer.model_wrapped.module), before, strict=False)]
@@ -289,12 +299,15 @@ def trainer_error(kind: str, stage: int, offload: bool, world: int, exact: bool,
 
 
 def trainer_row(rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
+    """``{recipe: (stock Trainer's error, ExactTrainer's error or refusal)}``, same config."""
+
+    def both(kind: str, clip: Any) -> tuple[Any, Any]:
+        return tuple(trainer_error(kind, stage, offload, world, e, clip) for e in (False, True))
+
     return {
-        "stock (causal LM)": trainer_error("causal_lm", stage, offload, world, False, "auto"),
-        "stock (BERT MLM)": trainer_error("masked_lm", stage, offload, world, False, "auto"),
-        "stock, no clip key": trainer_error("causal_lm", stage, offload, world, False, None),
-        "fullbatch (causal LM)": trainer_error("causal_lm", stage, offload, world, True, "auto"),
-        "fullbatch (BERT MLM)": trainer_error("masked_lm", stage, offload, world, True, "auto"),
+        "causal LM": both("causal_lm", "auto"),
+        "BERT MLM": both("masked_lm", "auto"),
+        "causal LM, no clip key": both("causal_lm", None),
     }
 
 
@@ -312,6 +325,13 @@ def _rank(rank: int, world: int, store: str, engines: list[str], out: Any) -> No
         MASTER_PORT="1",
         OMP_NUM_THREADS="1",
     )
+    # one build folder per Python environment for DeepSpeed's deepspeed_shm_comm extension
+    # (two deepspeed versions sharing one rebuild it; a killed build leaves a lock forever)
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    default = os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions", f"fullbatch-{key}"
+    )
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", default)
     import logging
 
     import torch.distributed as dist
@@ -336,7 +356,7 @@ def _rank(rank: int, world: int, store: str, engines: list[str], out: Any) -> No
                     result = engine_row(engine, rank, world, stage, offload)
             except Exception as exc:  # a row that cannot run says why
                 traceback.print_exc()
-                result = {"error": f"{type(exc).__name__}: {str(exc)[:60]}"}
+                result = {"error": (f"{type(exc).__name__}: {str(exc)[:60]}", "")}
             rows.append((engine, stage, offload, result))
     if rank == 0:
         out.put(rows)
@@ -372,13 +392,13 @@ def main() -> None:
         f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, {args.ranks} rank(s), "
         f"gradient_accumulation_steps={K}, float32 vs a float64 full batch; ok < {BAND:g}"
     )
-    print("| engine | stage | offload | recipe | error (verdict) | probe |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | stage | offload | recipe | stock: measured | probe | fullbatch route |")
+    print("|---|---|---|---|---|---|---|")
     for engine, stage, offload, result in rows:
         for recipe, value in result.items():
-            cell = probe(engine, stage, offload) if recipe.startswith("stock") else ""
+            stock, route = value if isinstance(value, tuple) else (value, "")
             where = f"| {engine} | {stage} | {'cpu' if offload else '-'} | {recipe} |"
-            print(f"{where} {_cell(value)} | {cell} |")
+            print(f"{where} {_cell(stock)} | {probe(engine, stage, offload)} | {_cell(route)} |")
     sys.stdout.flush()
 
 

@@ -75,6 +75,37 @@ def _engine(world: int, stage: int, offload: bool, clip: float, dtype: torch.dty
     return engine
 
 
+def _accelerated(world: int, stage: int, offload: bool, clip: float, dtype: torch.dtype) -> Any:
+    """The engine (and optimizer) Accelerate's DeepSpeed plugin prepares from the same config."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from _dist_ds import config
+
+    AcceleratorState._reset_state(True)  # one Accelerator per engine in this process
+    model = make_model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=DECAY)
+    cfg = config(stage, offload=offload, micro_batches=K, world=world, clip=clip)
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg)
+    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=K)
+    return accelerator.prepare(model, opt)
+
+
+def accumulator_refuses(rank: int, world: int) -> str:
+    """fb.Accumulator on what Accelerate's DeepSpeed plugin prepared: refused, nothing moved."""
+    import fullbatch as fb
+
+    engine, optimizer = _accelerated(world, 2, False, 0.0, torch.float32)
+    before = full_params(engine)
+    try:
+        fb.Accumulator(engine, optimizer, micro_batches=K)
+    except ValueError as exc:
+        same = all(torch.equal(a, b) for a, b in zip(before, full_params(engine), strict=True))
+        return f"{exc} | unchanged={same}"
+    return "accepted"
+
+
 def full_params(engine: Any) -> list[torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -92,12 +123,16 @@ def _labels(micro: dict[str, Any]) -> torch.Tensor:
 def train(
     rank: int, world: int, stage: int, offload: bool, clip: float, dtype: torch.dtype, route: str
 ) -> dict[str, Any]:
-    """Two windows with fullbatch's route (``"exact"``) or a stock per-micro-batch mean loss
-    through ``engine.backward`` (``"stock"``)."""
+    """Two windows with fullbatch's route (``"exact"``; ``"accelerate"``: the same on the
+    engine Accelerate's DeepSpeed plugin prepared) or a stock per-micro-batch mean loss through
+    ``engine.backward`` (``"stock"``)."""
     import fullbatch as fb
     from fullbatch.deepspeed import ExactEngine
 
-    engine = _engine(world, stage, offload, clip, dtype)
+    if route == "accelerate":
+        engine, _ = _accelerated(world, stage, offload, clip, dtype)
+    else:
+        engine = _engine(world, stage, offload, clip, dtype)
     out: dict[str, Any] = {"params": [], "stats": []}
     loader = [
         {k: v.to(dtype) if v.is_floating_point() else v for k, v in m.items()}

@@ -94,18 +94,18 @@ def refusals(rank: int, world: int) -> dict[str, str]:
 
     out = {}
     cases = {
-        "stage0": (0, "auto", 0.0),
-        "clip_absent": (2, None, 0.0),
-        "clip_differs": (2, 0.5, 1.0),
+        "stage0_bf16": (0, "auto", 0.0, {"bf16": {"enabled": True}}),
+        "clip_absent": (2, None, 0.0, {}),
+        "clip_differs": (2, 0.5, 1.0, {}),
     }
-    for name, (stage, clip, max_norm) in cases.items():
+    for name, (stage, clip, max_norm, extra) in cases.items():
         with tempfile.TemporaryDirectory() as tmp:
             args = h.training_args(
                 tmp,
                 k=K,
                 batch=BATCH,
                 max_grad_norm=max_norm,
-                deepspeed=trainer_config(stage, clip=clip),
+                deepspeed={**trainer_config(stage, clip=clip), **extra},
             )
             try:
                 ExactTrainer(
@@ -119,3 +119,68 @@ def refusals(rank: int, world: int) -> dict[str, str]:
             except ValueError as exc:
                 out[name] = str(exc)
     return out
+
+
+def skips(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Three windows of the causal LM with a linear LR schedule; window 1 poisoned: a NaN loss
+    on the last rank's second micro-batch, or every label -100 (no items) on every rank. The
+    full parameters after every step, the learning rate each step uses, the counters, the
+    warnings."""
+    return {mode: _poisoned(rank, world, stage, mode) for mode in ("nan", "no_items")}
+
+
+def _poisoned(rank: int, world: int, stage: int, mode: str) -> dict[str, Any]:
+    import itertools
+
+    from transformers import TrainerCallback
+
+    from fullbatch.hf import ExactTrainer
+
+    steps: list[dict[str, torch.Tensor]] = []
+    lrs: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            lrs.append(float(kw["optimizer"].param_groups[0]["lr"]))  # what this step uses
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps.append(full_params(kw["model"]))
+
+    class Poisoned(ExactTrainer):
+        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            if mode == "no_items" and self.state.global_step == 1:
+                epoch_iterator = (
+                    {**b, "labels": torch.full_like(b["labels"], -100)}
+                    for b in itertools.islice(epoch_iterator, num_batches)
+                )
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+        def exact_loss(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
+            loss_sum, n = super().exact_loss(model, inputs)
+            window = self._fb_window
+            poison = self.state.global_step == 1 and window is not None
+            if mode == "nan" and poison and window.index == 1 and rank == world - 1:
+                loss_sum = loss_sum * float("nan")
+            return loss_sum, n
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = h.training_args(
+            tmp, k=K, batch=BATCH, lr_scheduler_type="linear", deepspeed=trainer_config(stage)
+        )
+        trainer = Poisoned(
+            model=_model("causal_lm"),
+            args=args,
+            train_dataset=h.text_rows(3 * K * BATCH * world),
+            data_collator=h.Collator("causal_lm"),
+            callbacks=[Record()],
+            loss="causal_lm",
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h.in_order(trainer).train()
+    return {
+        "steps": steps,
+        "lrs": lrs,
+        "counters": (trainer.fb_counters.steps, trainer.fb_counters.skipped_windows),
+        "warnings": [str(w.message) for w in caught if "was skipped" in str(w.message)],
+    }

@@ -55,92 +55,14 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._close import Wing, close_window, read_totals
+from fullbatch._base._close import Wing
 from fullbatch._base._normalize import check_count
 from fullbatch._base._stats import StepStats
-from fullbatch._base._sync import all_reduce_over
-from fullbatch._base._verdict import NO_ITEMS, CountedSteps, WindowCounters, WindowTotals
+from fullbatch._base._sync import sum_over_ranks
+from fullbatch._base._verdict import NO_ITEMS, CountedSteps, WindowCounters
+from fullbatch._deepspeed import OFFLOAD_FIXED, check_engine, close_engine_window, refusal, scaled
 
 __all__ = ["OFFLOAD_FIXED", "DeepSpeedWindow", "ExactEngine", "check_engine", "refusal"]
-
-#: the first deepspeed release whose ZeRO 1/2 ``offload_optimizer`` accumulates every
-#: micro-batch (before it, only the first one's gradient reached the step: DeepSpeed #6550,
-#: fixed by #7967)
-OFFLOAD_FIXED = (0, 19, 0)
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def refusal(
-    *,
-    stage: int,
-    offload: bool,
-    micro_batches: int,
-    version: str,
-    moe: bool = False,
-    sequence_parallel: bool = False,
-    half: bool = False,
-) -> str | None:
-    """Why a DeepSpeed configuration's step cannot be made exact, or ``None``.
-
-    >>> refusal(stage=2, offload=True, micro_batches=4, version="0.17.0")[:40]
-    'deepspeed 0.17.0 with ZeRO-2 offload_opt'
-    >>> refusal(stage=3, offload=True, micro_batches=4, version="0.17.0") is None
-    True
-    """
-    if moe:
-        return (
-            "the model has DeepSpeed MoE layers, whose expert gradients are averaged over the "
-            "expert-data-parallel group, not the data-parallel ranks fullbatch counts over"
-        )
-    if sequence_parallel:
-        return (
-            "sequence parallelism divides gradients by another group than the data-parallel "
-            "ranks; train with sequence_parallel_size=1"
-        )
-    if stage == 0 and half:
-        return (
-            "at ZeRO stage 0, fp16/bf16 gradients live in DeepSpeed's own mixed-precision "
-            "optimizer; use ZeRO stage 1-3 (or fp32)"
-        )
-    if stage in (1, 2) and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
-        return (
-            f"deepspeed {version} with ZeRO-{stage} offload_optimizer keeps only the first "
-            "micro-batch's gradient of every window (DeepSpeed #6550, fixed by #7967 in "
-            "0.19.0): upgrade deepspeed, or drop offload_optimizer, or use one micro-batch per "
-            "step"
-        )
-    return None
-
-
-def check_engine(engine: Any, micro_batches: int, version: str | None = None) -> None:
-    """Raise ``ValueError`` for an engine whose step cannot be made exact (:func:`refusal`).
-
-    ``micro_batches``: backward calls per optimizer step; ``version``: deepspeed's (default:
-    the installed one).
-    """
-    if version is None:
-        import deepspeed
-
-        version = deepspeed.__version__
-    why = refusal(
-        stage=int(engine.zero_optimization_stage()),
-        offload=bool(engine.zero_use_cpu_optimizer()),  # offload_optimizer: cpu or nvme
-        micro_batches=micro_batches,
-        version=version,
-        moe=bool(getattr(engine, "has_moe_layers", False)),
-        sequence_parallel=getattr(engine, "seq_dp_world_size", engine.dp_world_size)
-        != engine.dp_world_size,
-        half=bool(engine.fp16_enabled() or engine.bfloat16_enabled()),
-    )
-    if why is not None:
-        raise ValueError(f"fullbatch cannot make this DeepSpeed step exact: {why}.")
 
 
 class ExactEngine(CountedSteps):
@@ -160,6 +82,10 @@ class ExactEngine(CountedSteps):
 
     ``steps`` counts optimizer steps; ``skipped_windows`` the skipped windows (each warns).
     """
+
+    #: What this route is called, for ``fb.probe`` (a declaration: see
+    #: ``fullbatch._probe._engines``).
+    fullbatch_route = "fullbatch.deepspeed.ExactEngine"
 
     def __init__(
         self, engine: Any, *, count: Callable[[Any], Any], micro_batches: int | None = None
@@ -200,6 +126,8 @@ class ExactEngine(CountedSteps):
 class DeepSpeedWindow:
     """One optimizer step: iterate its micro-batches, ``backward`` each, then ``step()``."""
 
+    fullbatch_route = ExactEngine.fullbatch_route  # its step() is the frame above engine.step()
+
     def __init__(self, exact: ExactEngine, micros: list[Any]) -> None:
         self._exact = exact
         self._micros = micros
@@ -212,8 +140,7 @@ class DeepSpeedWindow:
         local = torch.zeros(k + 2, dtype=torch.float64, device=engine.device)
         local[0] = sum(self._counts)
         local[1 + len(micros)] = 1.0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            all_reduce_over(local)
+        sum_over_ranks(local)
         held = local[1:].tolist()
         self.count = float(local[0])
         self.size = max(i for i, n in enumerate(held) if n > 0 or i == 0)
@@ -260,18 +187,17 @@ class DeepSpeedWindow:
         self._done = i + 1
         engine = self._exact.engine
         if self.is_padding:
-            scale = torch.zeros((), dtype=loss_sum.dtype, device=loss_sum.device)
+            loss = loss_sum * 0.0  # runs every collective of the backward, weighs nothing
         else:
             n = check_count(count)
             n = torch.as_tensor(n, dtype=torch.float64, device=self._mismatch.device)
             self._mismatch += (n - self._counts[i]).abs()
-            loss = loss_sum.detach()
-            self._losses.append(loss.double().reshape(1))
+            self._losses.append(loss_sum.detach().double().reshape(1))
             # a non-finite loss poisons the gradient, so DeepSpeed's overflow check skips
-            scale = torch.where(torch.isfinite(loss), self.scale, math.nan).to(loss_sum.dtype)
+            loss = scaled(loss_sum, self.scale)
         if i == self.size - 1:
             self._check_counts()
-        engine.backward(loss_sum * scale, scale_wrt_gas=False, **kwargs)
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
 
     def _check_counts(self) -> None:
         bad = float(self._mismatch)  # the one host sync before DeepSpeed steps
@@ -297,38 +223,15 @@ class DeepSpeedWindow:
         local = torch.cat(self._losses).sum().reshape(1) if self._losses else None
         if local is None:
             local = torch.zeros(1, dtype=torch.float64, device=engine.device)
-        stage0 = int(engine.zero_optimization_stage()) == 0
-        reduce = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            reduce = _summed
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        loss, sq = read_totals(local, grads if stage0 else [], reduce)
-        applied = False
-        if self.count > 0:
-            if not stage0:
-                engine.step()
-                applied = bool(engine.was_step_applied())
-                norm = engine.get_global_grad_norm()
-                sq = math.inf if norm is None else float(norm) ** 2
-            elif math.isfinite(sq) and math.isfinite(loss):
-                engine.step()
-                applied = True
-            else:  # stage 0: DeepSpeed would apply a non-finite gradient
-                engine.zero_grad()
-                applied = False
-        totals = WindowTotals(
-            loss=loss / self.count if self.count > 0 else 0.0,
+        verdict, _ = close_engine_window(
+            engine,
+            exact._wing,
+            local,
+            sum_over_ranks,
             count=self.count,
-            squared_norm=sq,
-            share=True,  # the losses were scaled to the window's share before backward
+            loss_divisor=self.count,
+            ran=self.count > 0,
         )
-        verdict = close_window(totals, exact._wing)
-        if verdict.skipped == applied and self.count > 0:
-            raise RuntimeError(
-                f"DeepSpeed {'applied' if applied else 'skipped'} a step that fullbatch's "
-                f"verdict {'skips' if verdict.skipped else 'takes'} ({verdict.reason}); "
-                "please report this with your DeepSpeed config."
-            )
         groups = getattr(engine.optimizer, "param_groups", None) or [{}]
         lr = groups[0].get("lr")
         return StepStats(
@@ -343,8 +246,3 @@ class DeepSpeedWindow:
             micro_batches=self._done,
             skipped_windows=exact.counters.skipped_windows,
         )
-
-
-def _summed(t: torch.Tensor) -> torch.Tensor:
-    all_reduce_over(t)
-    return t

@@ -7,6 +7,8 @@ over every rank's rows of that window (tests/_ds_cases.py), for two windows — 
 micro-batch). DeepSpeed refuses float64 gradients in its reductions, so the engines run in
 float32 and the band is float32's: 1e-5 relative to the update (measured: ~4e-8 on the
 parameters). The stock per-micro-batch mean through ``engine.backward`` is far outside it.
+The same holds for ``ExactEngine`` on the engine Accelerate's DeepSpeed plugin prepares
+(``accelerator.prepare``), which ``fb.Accumulator`` refuses.
 """
 
 from __future__ import annotations
@@ -23,11 +25,18 @@ from _dist_ds import run_ds, values
 
 pytestmark = pytest.mark.timeout(600)
 
-RUNS = [
-    (stage, offload, 0.3, torch.float32, "exact")
-    for stage in (0, 1, 2, 3)
-    for offload in ((False,) if stage == 0 else (False, True))
-] + [(2, False, 0.0, torch.float32, "stock")]
+RUNS = (
+    [
+        (stage, offload, 0.3, torch.float32, "exact")
+        for stage in (0, 1, 2, 3)
+        for offload in ((False,) if stage == 0 else (False, True))
+    ]
+    + [
+        (stage, offload, 0.3, torch.float32, "accelerate")
+        for stage, offload in ((0, False), (2, True), (3, False))
+    ]
+    + [(2, False, 0.0, torch.float32, "stock")]
+)
 BAND = 1e-5
 
 
@@ -50,7 +59,7 @@ def test_every_stage_steps_like_the_full_batch(trained: tuple[int, list[dict[Any
     start = [p.detach().double() for p in cases.make_model(torch.float64).parameters()]
     for run in RUNS:
         _stage, _offload, clip, _, route = run
-        if route != "exact":
+        if route == "stock":
             continue
         ref = cases.reference(world, clip)
         for rank, res in enumerate(results):
@@ -110,6 +119,15 @@ def test_non_finite_and_empty_windows_are_skipped(stage: int, offload: bool) -> 
                 f"window 1 was skipped ({reason})"
             )
             assert r["ran"][1] == (0 if mode == "no_items" else 4)
+
+
+def test_fb_accumulator_refuses_accelerates_deepspeed_engine() -> None:
+    """fullbatch's Accelerate route (fb.Accumulator on what accelerator.prepare returns) cannot
+    rescale gradients DeepSpeed has partitioned: it refuses the engine and names ExactEngine,
+    which the runs above prove exact on the same prepared engine."""
+    (out,) = values(run_ds(cases.accumulator_refuses, 1, deadline=120))
+    assert "is a DeepSpeed engine (DeepSpeedEngine)" in out, out
+    assert "fullbatch.deepspeed.ExactEngine" in out and "unchanged=True" in out, out
 
 
 def test_a_count_that_disagrees_with_the_loss_is_refused() -> None:

@@ -1,9 +1,11 @@
 """fullbatch.hf.ExactTrainer with a DeepSpeed config (the Trainer's DeepSpeed integration),
 1 and 2 gloo ranks on CPU, float32: every rank's parameters after every step equal a plain
-PyTorch full batch over the window's rows (tests/_hf_cases.py ``torch_reference``) at ZeRO 2
-and 3, with and without CPU offload, for a causal LM and a BERT masked-LM head; the stock
+PyTorch full batch over the window's rows (tests/_hf_cases.py ``torch_reference``) at ZeRO 0,
+2 and 3, with and without CPU offload, for a causal LM and a BERT masked-LM head; the stock
 Trainer on the same BERT config is 3x off, and with ``gradient_clipping`` left out of the
 config DeepSpeed clips at 1.0 (what ExactTrainer refuses, with the others it cannot make exact).
+A window with a NaN loss on one rank, or without items, is skipped on every rank at ZeRO 0
+and 2: parameters and learning rate unchanged, one warning, the skip counted.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -23,19 +26,21 @@ pytestmark = pytest.mark.timeout(600)
 BAND = 2e-6  # float32 (measured: 5e-7 of the update)
 RUNS = {
     1: [
+        (0, False, "causal_lm", "causal_lm", "auto"),
         (2, False, "causal_lm", "causal_lm", "auto"),
         (2, True, "causal_lm", "causal_lm", "auto"),
         (3, False, "causal_lm", "causal_lm", "auto"),
         (3, True, "causal_lm", "causal_lm", "auto"),
-        (2, True, "masked_lm", "masked_lm", "auto"),
-        (3, False, "masked_lm", "masked_lm", "auto"),
+        (2, True, "masked_lm", "token", "auto"),
+        (3, False, "masked_lm", "token", "auto"),
         (2, False, "masked_lm", None, "auto"),  # stock: the head drops num_items_in_batch
         (2, False, "causal_lm", None, None),  # stock, gradient_clipping left out
     ],
     2: [
+        (0, False, "masked_lm", "token", "auto"),
         (2, True, "causal_lm", "causal_lm", "auto"),
         (3, False, "causal_lm", "causal_lm", "auto"),
-        (3, True, "masked_lm", "masked_lm", "auto"),
+        (3, True, "masked_lm", "token", "auto"),
     ],
 }
 ROWS = {1: 16, 2: 32}
@@ -100,6 +105,29 @@ def test_stock_trainer_on_deepspeed(trained: tuple[int, list[dict[Any, Any]]]) -
 
 def test_configs_that_cannot_be_exact_are_refused() -> None:
     (out,) = values(run_ds(cases.refusals, 1, deadline=200))
-    assert "ZeRO stage 1-3, or DDP" in out["stage0"], out
+    assert "fp16/bf16 gradients live in DeepSpeed's own" in out["stage0_bf16"], out
     assert "gradient_clipping=1.0 (its default: the key is absent)" in out["clip_absent"], out
     assert "gradient_clipping=0.5 while max_grad_norm=1.0" in out["clip_differs"], out
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_non_finite_and_empty_windows_are_skipped(stage: int) -> None:
+    """2 ranks, a linear LR schedule: the poisoned window 1 is skipped on every rank (stage 0:
+    fullbatch reads the gradients before DeepSpeed's step and clears them; ZeRO 2: the NaN
+    scale makes DeepSpeed's overflow check skip; no items: nothing backpropagated), parameters
+    exactly as after window 0, the LR schedule not advanced (the Trainer steps it after every
+    window: kept and put back), one warning, 2 steps and 1 skip counted; window 2 steps."""
+    results = values(run_ds(cases.skips, 2, stage, deadline=400))
+    reasons = {"nan": "non-finite loss", "no_items": "no items counted in the window"}
+    for rank, result in enumerate(results):
+        for mode, reason in reasons.items():
+            r = result[mode]
+            assert r["counters"] == (2, 1), (rank, mode)
+            assert len(r["steps"]) == 3
+            for name, value in r["steps"][1].items():
+                assert torch.equal(value, r["steps"][0][name]), (rank, mode, name)
+            assert any(not torch.equal(v, r["steps"][1][n]) for n, v in r["steps"][2].items())
+            # the skipped window did not advance the schedule: window 2 uses window 1's LR
+            assert r["lrs"][0] > r["lrs"][1] == r["lrs"][2], (rank, mode, r["lrs"])
+            assert len(r["warnings"]) == 1, r["warnings"]
+            assert r["warnings"][0].startswith(f"window 1 was skipped ({reason})")

@@ -1,8 +1,9 @@
 """The one window-close of the framework wings: read the totals, decide, then step or skip.
 
 Every wing that hands its step to a framework — ``fullbatch.hf.ExactTrainer`` and the TRL
-trainers, Lightning's ``ExactAccumulation``, ``fullbatch.deepspeed.ExactEngine``,
-``fb.Pipeline`` — ends its window with the same three moves:
+trainers, Lightning's ``ExactAccumulation``, ``fullbatch.super_gradients.ExactTrainer``,
+``fullbatch.deepspeed.ExactEngine``, ``fb.Pipeline`` — ends its window with the same three
+moves:
 
 1. :func:`read_totals`: the window's sums (loss sum, count, extras), reduced over ranks by the
    framework's own collective, and the squared norm of the gradients as accumulated, read on
@@ -61,20 +62,29 @@ def read_totals(
     local: torch.Tensor,
     grads: list[torch.Tensor],
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    shard_copies: float | None = None,
 ) -> list[float]:
     """``[*reduce(local), squared norm of grads]`` as floats, in one host sync.
 
     ``local``: this rank's float64 window sums (1-dim); ``reduce``: the framework's sum over
     ranks (``None`` on one process). The gradients are taken as they are on this rank: a
-    replicated model after its all-reduce holds the whole gradient.
+    replicated model after its all-reduce holds the whole gradient. Sharded gradients (FSDP2):
+    ``shard_copies`` ranks hold each shard, and the squared norm of this rank's shards, divided
+    by it, is summed over the ranks with the rest.
 
     >>> g = [torch.tensor([3.0, 4.0])]
     >>> read_totals(torch.tensor([6.0, 2.0], dtype=torch.float64), g, lambda t: 2 * t)
     [12.0, 4.0, 25.0]
+    >>> read_totals(torch.tensor([6.0], dtype=torch.float64), g, lambda t: 2 * t, shard_copies=1)
+    [12.0, 50.0]
     """
+    sq = squared_norm(grads, local.device).to(local).reshape(1)
+    if shard_copies is not None:
+        local = torch.cat([local.reshape(-1), sq / shard_copies])
+        return (local if reduce is None else reduce(local)).tolist()
     if reduce is not None:
         local = reduce(local)
-    sq = squared_norm(grads, local.device).to(local).reshape(1)
     return torch.cat([local.reshape(-1), sq]).tolist()
 
 

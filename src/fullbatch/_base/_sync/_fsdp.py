@@ -26,7 +26,15 @@ from torch import nn
 
 from fullbatch._base._sync._base import Sync
 
-__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "FsdpSync", "fsdp_mesh", "is_fsdp", "unsharded_params"]
+__all__ = [
+    "FSDP_SYNC_MODES",
+    "FSDPSync",
+    "FsdpSync",
+    "fsdp_divisor",
+    "fsdp_mesh",
+    "is_fsdp",
+    "unsharded_params",
+]
 
 FsdpSync = Literal["window", "micro_batch", "hybrid"]
 FSDP_SYNC_MODES: tuple[str, ...] = get_args(FsdpSync)
@@ -96,6 +104,20 @@ def _divide_factor(model: nn.Module, default: float) -> float:
     return float(default if factor is None else factor)
 
 
+def fsdp_divisor(
+    model: nn.Module, divisor: float | None = None, mesh: Any = None
+) -> tuple[float, float]:
+    """``(what FSDP2 divides the summed gradient by, ranks holding each gradient shard)``.
+
+    FSDP2 averages over shard x replicate ranks unless ``set_gradient_divide_factor`` says
+    otherwise (``divisor``, when given, wins); HSDP's replicas each hold the same shard.
+    """
+    mesh = mesh if mesh is not None else fsdp_mesh(model)
+    shards = mesh.size(mesh.ndim - 1)
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    return float(divisor or _divide_factor(model, shards * replicas)), float(replicas)
+
+
 def _mesh_group(mesh: Any) -> Any:
     """One process group over every rank of ``mesh`` (the counting group)."""
     ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
@@ -134,11 +156,7 @@ class FSDPSync(Sync):
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if self.hsdp else None
         self.group = mesh.get_group() if not self.hsdp else _mesh_group(mesh)
-        shards = dist.get_world_size(self.shard_group)
-        replicas = dist.get_world_size(self.replicate_group) if self.hsdp else 1
-        # FSDP2 averages over shard x replicate unless set_gradient_divide_factor says else.
-        self.divisor = float(divisor or _divide_factor(model, shards * replicas))
-        self.norm_copies = float(replicas)
+        self.divisor, self.norm_copies = fsdp_divisor(model, divisor, mesh)
 
     def held_grads(self) -> str | None:
         if self.mode == "micro_batch":
