@@ -16,6 +16,7 @@ labels are ignored.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -94,10 +95,12 @@ def _route(model: nn.Module, opt: Any, rank: int, sync: str | None) -> list[torc
 
 def _case(rank: int, world: int, mesh: Any, per_layer: bool, how: str) -> dict[str, Any]:
     """``how``: ``"right"``, ``"mean/K"`` or ``"route"``/``"route:<fsdp_sync>"``."""
-    runs: dict[str, Any] = {}
+    runs: dict[str, Any] = {"applied": []}
     for probed in (False, True):
         model = _sharded(mesh, per_layer)
         opt = make_optimizer(model.parameters())
+        if not probed:  # the plain run's first applied gradient, gathered whole
+            opt.register_step_pre_hook(functools.partial(_record, runs["applied"], model))
         with fb.probe(objective=objective, windows=2) if probed else _Nothing() as probe:
             if how.startswith("route"):
                 sync = how.partition(":")[2] or None
@@ -108,6 +111,11 @@ def _case(rank: int, world: int, mesh: Any, per_layer: bool, how: str) -> dict[s
         if probed:
             runs["report"] = probe.report
     return runs
+
+
+def _record(into: list[Any], model: nn.Module, *hook_args: Any) -> None:
+    if not into:
+        into.append([p.grad.full_tensor() for p in model.parameters()])
 
 
 class _Nothing:
