@@ -16,8 +16,10 @@ the update DeepSpeed applied against a float64 full batch over the same rows com
 - ``fullbatch route``: ``fullbatch.deepspeed.ExactEngine`` (raw; Accelerate: on the engine its
   DeepSpeed plugin prepared) on uneven micro-batches with ``-100`` labels, or
   ``fullbatch.hf.ExactTrainer`` on the stock row's data and config: its error, or its refusal;
-- ``probe``: ``fb.probe``'s verdict on the stock run, once it supports DeepSpeed (:func:`probe`
-  is the one function to fill in); ``n/a`` until then.
+- ``probe``: ``fb.probe``'s verdict on the stock run itself (:func:`probe` wraps it; the probe
+  leaves the run bitwise unchanged, so the measured column is the same with or without it):
+  ``ok``, or the pattern it names and its error, or ``unsupported``/``nothing checked`` with
+  the reason's first words.
 
 A verdict is ``ok`` when the error is below 1e-4 (float32 rounding measured here: ~5e-7).
 
@@ -44,9 +46,36 @@ ROWS, K, IN, OUT = 2, 4, 6, 5
 STAGES = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
 
 
-def probe(engine: str, stage: int, offload: bool) -> str:
-    """The probe's verdict on the stock run: fill in when ``fb.probe`` supports DeepSpeed."""
-    return "n/a"
+def probe(objective: str) -> Probed:
+    """``with probe(objective) as verdict:`` around a stock run; ``str(verdict)`` afterwards is
+    the table's probe cell."""
+    return Probed(objective)
+
+
+class Probed:
+    """``fb.probe`` around one stock run (see :func:`probe`)."""
+
+    def __init__(self, objective: str) -> None:
+        import fullbatch as fb
+
+        self._probe = fb.probe(objective=objective, windows=1)
+
+    def __enter__(self) -> Probed:
+        self._probe.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._probe.__exit__(*exc)
+
+    def __str__(self) -> str:
+        report = self._probe.report
+        if not report.windows:  # e.g. "unsupported: DeepSpeed clipped ... at ZeRO stage 0"
+            why = report.problems[0] if report.problems else "nothing checked"
+            return why.split(",")[0]
+        window = report.windows[0]
+        said = "ok" if window.ok else window.pattern
+        clip = f", DeepSpeed's clip at {window.clip[0]:g} seen" if window.clip else ""
+        return f"{said} ({window.error:.1e}{clip})"
 
 
 def ds_config(stage: int, offload: bool, world: int, clip: Any = 0.0) -> dict[str, Any]:
@@ -139,36 +168,37 @@ def _engine(kind: str, stage: int, offload: bool, world: int) -> tuple[Any, Any]
 
 
 def engine_row(kind: str, rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
-    """``{recipe: (stock error, fullbatch's error or refusal)}`` for a raw or Accelerate engine."""
+    """``{recipe: (stock error, the probe's verdict on it, fullbatch's error or refusal)}`` for
+    a raw or Accelerate engine."""
     import fullbatch as fb
     from fullbatch.deepspeed import ExactEngine
 
     engine, accelerator = _engine(kind, stage, offload, world)
     before = full_params(engine.module)
-    for i, (x, y) in enumerate(micro_batches(rank, uneven=False)):
-        loss = torch.nn.functional.cross_entropy(engine(x), y)
+    with probe("sample") as verdict:  # the labels: the loop's y beside the model's input
+        for i, (x, y) in enumerate(micro_batches(rank, uneven=False)):
+            loss = torch.nn.functional.cross_entropy(engine(x), y)
+            if accelerator is None:
+                engine.set_gradient_accumulation_boundary(i == K - 1)
+                engine.backward(loss)
+            else:
+                with accelerator.accumulate(engine):
+                    accelerator.backward(loss)
         if accelerator is None:
-            engine.set_gradient_accumulation_boundary(i == K - 1)
-            engine.backward(loss)
-        else:
-            with accelerator.accumulate(engine):
-                accelerator.backward(loss)
-    if accelerator is None:
-        engine.step()
+            engine.step()
     stock = update_error(before, engine.module, full_batch_update(world, uneven=False))
     engine, _ = _engine(kind, stage, offload, world)
     try:
         exact = ExactEngine(engine, count=lambda m: int((m[1] != -100).sum()))
     except ValueError as exc:
-        return {"mean loss": (stock, _refused(exc))}
+        return {"mean loss": (stock, str(verdict), _refused(exc))}
     before = full_params(engine.module)
     for window in exact.windows(micro_batches(rank, uneven=True)):
         for x, y in window:
             window.backward(*fb.cross_entropy_sum(engine(x), y))
         window.step()
-    return {
-        "mean loss": (stock, update_error(before, engine.module, full_batch_update(world, True)))
-    }
+    route = update_error(before, engine.module, full_batch_update(world, True))
+    return {"mean loss": (stock, str(verdict), route)}
 
 
 def _refused(exc: Exception) -> str:
@@ -282,27 +312,30 @@ def trainer_error(kind: str, stage: int, offload: bool, world: int, exact: bool,
             seed=0,
         )
         kwargs = dict(model=model, args=args, train_dataset=rows, data_collator=_collate(kind))
+        objective = "token" if kind == "masked_lm" else kind  # fullbatch.hf.LOSS_KINDS
         try:
             if exact:
                 from fullbatch.hf import ExactTrainer
 
-                loss = "token" if kind == "masked_lm" else kind  # fullbatch.hf.LOSS_KINDS
-                trainer: Any = ExactTrainer(**kwargs, loss=loss)
+                trainer: Any = ExactTrainer(**kwargs, loss=objective)
             else:
                 trainer = Trainer(**kwargs)
         except ValueError as exc:
-            return _refused(exc)
-        trainer.train()
+            return _refused(exc), ""
+        with probe(objective) as verdict:
+            trainer.train()
     # rank r read rows r*2.., r*2+world*2.. (DistributedSampler, sequential): gather them all
     got = [a - b for a, b in zip(full_params(trainer.model_wrapped.module), before, strict=False)]
-    return rel(got, _hf_reference(kind, rows))
+    return rel(got, _hf_reference(kind, rows)), str(verdict)
 
 
 def trainer_row(rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
-    """``{recipe: (stock Trainer's error, ExactTrainer's error or refusal)}``, same config."""
+    """``{recipe: (stock Trainer's error, the probe's verdict on it, ExactTrainer's error or
+    refusal)}``, same config."""
 
-    def both(kind: str, clip: Any) -> tuple[Any, Any]:
-        return tuple(trainer_error(kind, stage, offload, world, e, clip) for e in (False, True))
+    def both(kind: str, clip: Any) -> tuple[Any, Any, Any]:
+        stock, verdict = trainer_error(kind, stage, offload, world, False, clip)
+        return stock, verdict, trainer_error(kind, stage, offload, world, True, clip)[0]
 
     return {
         "causal LM": both("causal_lm", "auto"),
@@ -356,7 +389,7 @@ def _rank(rank: int, world: int, store: str, engines: list[str], out: Any) -> No
                     result = engine_row(engine, rank, world, stage, offload)
             except Exception as exc:  # a row that cannot run says why
                 traceback.print_exc()
-                result = {"error": (f"{type(exc).__name__}: {str(exc)[:60]}", "")}
+                result = {"error": (f"{type(exc).__name__}: {str(exc)[:60]}", "", "")}
             rows.append((engine, stage, offload, result))
     if rank == 0:
         out.put(rows)
@@ -395,10 +428,9 @@ def main() -> None:
     print("| engine | stage | offload | recipe | stock: measured | probe | fullbatch route |")
     print("|---|---|---|---|---|---|---|")
     for engine, stage, offload, result in rows:
-        for recipe, value in result.items():
-            stock, route = value if isinstance(value, tuple) else (value, "")
+        for recipe, (stock, verdict, route) in result.items():
             where = f"| {engine} | {stage} | {'cpu' if offload else '-'} | {recipe} |"
-            print(f"{where} {_cell(stock)} | {probe(engine, stage, offload)} | {_cell(route)} |")
+            print(f"{where} {_cell(stock)} | {verdict} | {_cell(route)} |")
     sys.stdout.flush()
 
 

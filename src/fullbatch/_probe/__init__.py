@@ -8,15 +8,19 @@ home:
   ``.grad``, RNG, buffer or reducer touched) and summed over the ranks; its band run gives the
   rounding band and a sample of the per-coordinate rounding;
 - **the applied gradient** (``_applied``): a small protocol, ``AppliedGradient`` (``params()``,
-  ``applied()``, ``leftover()``, ``unsupported()``, and the ``claims(seen)`` class method),
-  one class per engine. Today one reader, ``_applied_grad`` (``.grad``: plain modules and
-  DDP). **A new engine is one new module with one class implementing the protocol, and one
-  line in ``_applied.READERS``** ahead of the ``.grad`` reader: FSDP2 (``DTensor`` gradients,
-  ``full_tensor()``), DeepSpeed ZeRO (``safe_get_full_grad``, its engine found among
-  ``Seen.wrappers``). It says whether it claims a window, returns whole gradients after the
-  engine's own accumulation scaling, and says why it cannot when it cannot; nothing else in the
-  probe changes (the reference may need a hint where the engine's hooks fire in backward: that
-  is ``_reference``'s, not the reader's);
+  ``applied()``, ``leftover()``, ``unsupported()``, the ``claims(seen)`` class method, and
+  where an engine differs from plain ``.grad``: ``stepped()``, ``wrt()``, ``replaying()``,
+  ``clip()``, ``continues()``; ``Reader`` answers them as most engines do), one class per
+  engine, in ``_applied.READERS`` order: ``_applied_deepspeed`` (DeepSpeed ZeRO 0-3, CPU
+  offload: its partitions and offload buffers gathered whole, its engine found among
+  ``Seen.wrappers``), ``_applied_fsdp`` (FSDP2/HSDP: ``DTensor`` gradients through
+  ``full_tensor()``, the reference differentiated against FSDP2's unsharded parameters),
+  ``_applied_grad`` (``.grad``: plain modules and DDP; claims the rest). **A new engine is one
+  new module with one class implementing the protocol, and one line in ``_applied.READERS``**
+  ahead of the ``.grad`` reader. It says whether it claims a window, returns whole gradients
+  after the engine's own accumulation scaling, and says why it cannot when it cannot; what the
+  reference must know of the engine (what to differentiate, what its hooks move) the reader
+  answers, and ``_reference`` asks;
 - **the judge** (``_judge``): alone decides ``ok``, the pattern and the sentence from the
   measured numbers (``_measured.Measured``), by the rule in its docstring (error against the
   band's tolerance, and every fitted weight and factor against its own measured precision),
@@ -37,7 +41,7 @@ One job per module:
 - ``_replay``: one call replayed and differentiated; ``_reference``: the window's reference,
   its band and its sum over ranks;
 - ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
-  the ``.grad`` reader;
+  the ``.grad`` reader; ``_applied_deepspeed``: DeepSpeed's; ``_applied_fsdp``: FSDP2's;
 - ``_sample``: the gradient coordinates the weight fit looks at;
 - ``_window``: one window at ``step()``: reference against applied gradient over every rank;
 - ``_fit``: each micro-batch's weight, the factor, the leftover, and their precisions;
