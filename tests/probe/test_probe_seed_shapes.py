@@ -161,7 +161,11 @@ class Trainer:
     ("package", "engine", "words"),
     [
         ("composer.trainer.trainer", "Composer", "fullbatch.composer.TokenCounts()"),
-        ("super_gradients.training.sg_trainer", "Super-Gradients", "not batch_accumulate"),
+        (
+            "super_gradients.training.sg_trainer",
+            "Super-Gradients",
+            "fullbatch.super_gradients.ExactTrainer in place of Trainer",
+        ),
     ],
 )
 def test_engines_named_with_their_fix(
