@@ -9,17 +9,18 @@ the update DeepSpeed applied against a float64 full batch over the same rows com
 
 - ``stock: measured``: the usual recipe (raw/Accelerate: a per-micro-batch mean through
   ``engine.backward``/``accelerator.backward``, on 4 equal micro-batches of 2 fully labelled
-  rows, where a mean of means equals the full batch: any error is DeepSpeed's own; Trainer:
+  rows, where a mean of means equals the full batch: any error is DeepSpeed's own, and on 4
+  uneven micro-batches of 1-4 rows with ``-100`` labels: the mean of means; Trainer:
   a causal LM that honours ``num_items_in_batch``, a BERT masked-LM head that does not, and the
   causal LM with ``gradient_clipping`` left out of the config, which DeepSpeed then fills with
   1.0 although ``max_grad_norm=0``);
 - ``fullbatch route``: ``fullbatch.deepspeed.ExactEngine`` (raw; Accelerate: on the engine its
-  DeepSpeed plugin prepared) on uneven micro-batches with ``-100`` labels, or
-  ``fullbatch.hf.ExactTrainer`` on the stock row's data and config: its error, or its refusal;
+  DeepSpeed plugin prepared) or ``fullbatch.hf.ExactTrainer``, on the stock row's data and
+  config: its error, or its refusal;
 - ``probe``: ``fb.probe``'s verdict on the stock run itself (:func:`probe` wraps it; the probe
   leaves the run bitwise unchanged, so the measured column is the same with or without it):
-  ``ok``, or the pattern it names and its error, or ``unsupported``/``nothing checked`` with
-  the reason's first words.
+  ``ok``, or the pattern it names, with its error and DeepSpeed's clip when it saw one, or why
+  it could not check.
 
 A verdict is ``ok`` when the error is below 1e-4 (float32 rounding measured here: ~5e-7).
 
@@ -169,14 +170,25 @@ def _engine(kind: str, stage: int, offload: bool, world: int) -> tuple[Any, Any]
 
 def engine_row(kind: str, rank: int, world: int, stage: int, offload: bool) -> dict[str, Any]:
     """``{recipe: (stock error, the probe's verdict on it, fullbatch's error or refusal)}`` for
-    a raw or Accelerate engine."""
-    import fullbatch as fb
-    from fullbatch.deepspeed import ExactEngine
+    a raw or Accelerate engine, on equal micro-batches and on uneven ones with ``-100`` labels."""
+    out = {}
+    for uneven, recipe in ((False, "mean loss, equal rows"), (True, "mean loss, uneven rows")):
+        out[recipe] = (
+            *_stock(kind, rank, world, stage, offload, uneven),
+            _exact(kind, rank, world, stage, offload, uneven),
+        )
+    return out
 
+
+def _stock(
+    kind: str, rank: int, world: int, stage: int, offload: bool, uneven: bool
+) -> tuple[float, str]:
+    """A per-micro-batch mean through ``engine.backward`` / ``accelerator.backward``: its
+    error, and the probe's verdict on it."""
     engine, accelerator = _engine(kind, stage, offload, world)
     before = full_params(engine.module)
     with probe("sample") as verdict:  # the labels: the loop's y beside the model's input
-        for i, (x, y) in enumerate(micro_batches(rank, uneven=False)):
+        for i, (x, y) in enumerate(micro_batches(rank, uneven)):
             loss = torch.nn.functional.cross_entropy(engine(x), y)
             if accelerator is None:
                 engine.set_gradient_accumulation_boundary(i == K - 1)
@@ -186,24 +198,32 @@ def engine_row(kind: str, rank: int, world: int, stage: int, offload: bool) -> d
                     accelerator.backward(loss)
         if accelerator is None:
             engine.step()
-    stock = update_error(before, engine.module, full_batch_update(world, uneven=False))
+    return update_error(before, engine.module, full_batch_update(world, uneven)), str(verdict)
+
+
+def _exact(kind: str, rank: int, world: int, stage: int, offload: bool, uneven: bool) -> Any:
+    """``fullbatch.deepspeed.ExactEngine`` on the same engine: its error, or its refusal."""
+    import fullbatch as fb
+    from fullbatch.deepspeed import ExactEngine
+
     engine, _ = _engine(kind, stage, offload, world)
     try:
         exact = ExactEngine(engine, count=lambda m: int((m[1] != -100).sum()))
     except ValueError as exc:
-        return {"mean loss": (stock, str(verdict), _refused(exc))}
+        return _refused(exc)
     before = full_params(engine.module)
-    for window in exact.windows(micro_batches(rank, uneven=True)):
+    for window in exact.windows(micro_batches(rank, uneven)):
         for x, y in window:
             window.backward(*fb.cross_entropy_sum(engine(x), y))
         window.step()
-    route = update_error(before, engine.module, full_batch_update(world, True))
-    return {"mean loss": (stock, str(verdict), route)}
+    return update_error(before, engine.module, full_batch_update(world, uneven))
 
 
 def _refused(exc: Exception) -> str:
-    why = str(exc).split(": ", 1)[-1]
-    return "refused: " + (why if len(why) <= 70 else why[:67] + "...")
+    """The refusal's reason, without its fix."""
+    why = str(exc).split(" exact: ", 1)[-1]
+    why = why.split("; ")[0].split(" (DeepSpeed #")[0]
+    return "refused: " + why
 
 
 # -- the Hugging Face Trainer ---------------------------------------------------------------

@@ -40,9 +40,12 @@ __all__ = [
     "window_scale",
 ]
 
-#: the first deepspeed release whose ZeRO 1/2 ``offload_optimizer`` accumulates every
-#: micro-batch (before it, only the first one's gradient reached the step: DeepSpeed #6550,
-#: fixed by #7967)
+#: the first deepspeed release whose ZeRO-2 ``offload_optimizer`` accumulates every backward
+#: of a step: before it, with ``gradient_accumulation_steps > 1`` only the first micro-batch's
+#: gradient was kept (a regression of DeepSpeed #6550, fixed by #7967), and with several
+#: backward calls at ``gradient_accumulation_steps=1`` only the last (fixed by #7981); both
+#: fixes precede the 0.19.0 release (#7996 bumped the version after it). ZeRO-1 reduces once per
+#: step and was exact on 0.17.0 (``benchmarks/deepspeed_offload_matrix.py``).
 OFFLOAD_FIXED = (0, 19, 0)
 
 
@@ -74,7 +77,7 @@ def refusal(
 
     >>> refusal(stage=2, offload=True, micro_batches=4, version="0.17.0")[:40]
     'deepspeed 0.17.0 with ZeRO-2 offload_opt'
-    >>> refusal(stage=3, offload=True, micro_batches=4, version="0.17.0") is None
+    >>> refusal(stage=1, offload=True, micro_batches=4, version="0.17.0") is None
     True
     """
     if moe:
@@ -92,12 +95,12 @@ def refusal(
             "at ZeRO stage 0, fp16/bf16 gradients live in DeepSpeed's own mixed-precision "
             "optimizer; use ZeRO stage 1-3 (or fp32)"
         )
-    if stage in (1, 2) and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
+    if stage == 2 and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
         return (
-            f"deepspeed {version} with ZeRO-{stage} offload_optimizer keeps only the first "
-            "micro-batch's gradient of every window (DeepSpeed #6550, fixed by #7967 in "
-            "0.19.0): upgrade deepspeed, or drop offload_optimizer, or use one micro-batch per "
-            "step"
+            f"deepspeed {version} with ZeRO-2 offload_optimizer keeps only one backward's "
+            "gradient of every window (DeepSpeed #6550's regression, fixed by #7967 and #7981 "
+            "before 0.19.0): upgrade deepspeed, or use ZeRO-1 or ZeRO-3 offload, or drop "
+            "offload_optimizer, or use one micro-batch per step"
         )
     return None
 

@@ -31,9 +31,9 @@ can rescale the accumulated gradient afterwards. :class:`ExactEngine` therefore 
 
 Refused, with the reason: MoE layers and sequence parallelism (their gradients are divided by
 other groups), fp16/bf16 at stage 0 (DeepSpeed's own mixed-precision optimizer owns the
-gradients there), ZeRO 1/2 ``offload_optimizer`` with more than one micro-batch on
-deepspeed < 0.19.0 (it kept only the first micro-batch's gradient: DeepSpeed #6550, fixed by
-#7967).
+gradients there), ZeRO-2 ``offload_optimizer`` with more than one backward per step on
+deepspeed < 0.19.0 (it kept only one backward's gradient: DeepSpeed #6550's regression, fixed
+by #7967 and #7981; ZeRO-1 and ZeRO-3 offload were exact on 0.17.0).
 
 Example (one process; the same code runs under ``deepspeed``/``torchrun``)::
 
