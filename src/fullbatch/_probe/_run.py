@@ -215,7 +215,8 @@ class Probe:
             self._problems.append(
                 f"unsupported: {why}; the probe reads the gradient the optimizer applies "
                 "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
-                "Trainer, TRL, Lightning, Accelerate)"
+                "Trainer, TRL, Lightning, Accelerate; DeepSpeed ZeRO 0-3 with or without "
+                "offload; FSDP2 and HSDP)"
             )
             self._finish()
             return
