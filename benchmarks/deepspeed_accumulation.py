@@ -24,7 +24,7 @@ the update DeepSpeed applied against a float64 full batch over the same rows com
 
 A verdict is ``ok`` when the error is below 1e-4 (float32 rounding measured here: ~5e-7).
 
-    python benchmarks/deepspeed_accumulation.py [--ranks 2] [--engines raw,trainer,accelerate]
+    python benchmarks/deepspeed_accumulation.py [--ranks 1,2] [--engines raw,trainer,accelerate]
 """
 
 from __future__ import annotations
@@ -421,36 +421,55 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--engines", default="raw,trainer,accelerate")
-    args = parser.parse_args()
-    import deepspeed
-
-    engines = [e for e in args.engines.split(",") if e]
+def _run(world: int, engines: list[str]) -> list[Any]:
+    """Every row on ``world`` ranks (spawned; rank 0 sends the rows back)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "s")
         procs = [
-            ctx.Process(target=_rank, args=(r, args.ranks, os.path.join(tmp, "s"), engines, out))
-            for r in range(args.ranks)
+            ctx.Process(target=_rank, args=(r, world, store, engines, out)) for r in range(world)
         ]
         for p in procs:
             p.start()
         rows = out.get(timeout=3000)
         for p in procs:
             p.join()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="1,2", help="rank counts, e.g. 1 or 1,2")
+    parser.add_argument("--engines", default="raw,trainer,accelerate")
+    args = parser.parse_args()
+    import deepspeed
+
+    engines = [e for e in args.engines.split(",") if e]
+    worlds = [int(w) for w in args.ranks.split(",")]
+    runs = [_run(world, engines) for world in worlds]
     print(
-        f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, {args.ranks} rank(s), "
-        f"gradient_accumulation_steps={K}, float32 vs a float64 full batch; ok < {BAND:g}"
+        f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
+        f"gradient_accumulation_steps={K} per rank, float32 vs a float64 full batch over every "
+        f"rank's rows; ok < {BAND:g}"
     )
-    print("| engine | stage | offload | recipe | stock: measured | probe | fullbatch route |")
-    print("|---|---|---|---|---|---|---|")
-    for engine, stage, offload, result in rows:
-        for recipe, (stock, verdict, route) in result.items():
+    ranks = [f"{w} rank{'s' if w > 1 else ''}" for w in worlds]
+
+    def columns(name: str) -> str:
+        return " | ".join(f"{name}, {r}" for r in ranks)
+
+    print(f"| engine | stage | offload | recipe | {columns('stock')} | {columns('probe')} | "
+          f"{columns('fullbatch')} |")  # fmt: skip
+    print("|---" * (4 + 3 * len(worlds)) + "|")
+    for index, (engine, stage, offload, _) in enumerate(runs[0]):
+        recipes = dict.fromkeys(r for run in runs for r in run[index][3])
+        for recipe in recipes:
+            cells = [run[index][3].get(recipe, ("-", "-", "-")) for run in runs]  # per world
             where = f"| {engine} | {stage} | {'cpu' if offload else '-'} | {recipe} |"
-            print(f"{where} {_cell(stock)} | {verdict} | {_cell(route)} |")
+            stock = " | ".join(_cell(c[0]) for c in cells)
+            verdict = " | ".join(str(c[1]) for c in cells)
+            route = " | ".join(_cell(c[2]) for c in cells)
+            print(f"{where} {stock} | {verdict} | {route} |")
     sys.stdout.flush()
 
 

@@ -18,12 +18,14 @@ window skipped otherwise (stage 0, no items) the schedule is kept and put back
 as they were.
 
 :func:`check_config` refuses, before training, what cannot be exact: a clip that differs from
-``max_grad_norm`` (a config without ``gradient_clipping`` clips at 1.0) and what
+``max_grad_norm`` (a config without ``gradient_clipping`` clips at DeepSpeed's default: 1.0
+since DeepSpeed #8068, 0 before) and what
 :func:`fullbatch._deepspeed.refusal` names.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -39,7 +41,14 @@ from fullbatch._deepspeed import (
 )
 from fullbatch._hf_window import TrainerWindow, keep_schedule, summed, wing
 
-__all__ = ["DeepSpeedTrainerWindow", "check_config", "ds_config", "engine_of", "zero_stage"]
+__all__ = [
+    "DeepSpeedTrainerWindow",
+    "check_config",
+    "default_clip",
+    "ds_config",
+    "engine_of",
+    "zero_stage",
+]
 
 
 def _enabled(value: Any, auto: bool) -> bool:
@@ -56,6 +65,14 @@ def zero_stage(args: Any) -> int:
     return int((ds_config(args).get("zero_optimization") or {}).get("stage", 0))
 
 
+def default_clip() -> float:
+    """DeepSpeed's ``gradient_clipping`` for a config without the key: 0 (off) until DeepSpeed
+    #8068, 1.0 since (0.17.0: 0; 0.19.8: 1.0). Read from the installed deepspeed, which the
+    Trainer is about to run."""
+    constants = importlib.import_module("deepspeed.runtime.constants")
+    return float(constants.GRADIENT_CLIPPING_DEFAULT)
+
+
 def check_config(name: str, args: Any) -> None:
     """Raise ``ValueError`` for a DeepSpeed config ``name`` cannot make exact."""
     config = ds_config(args)
@@ -65,7 +82,7 @@ def check_config(name: str, args: Any) -> None:
     half = _enabled((config.get("fp16") or {}).get("enabled"), args.fp16) or _enabled(
         (config.get("bf16") or {}).get("enabled"), args.bf16
     )
-    clip = config.get("gradient_clipping", 1.0)  # DeepSpeed's default when the key is absent
+    clip = config.get("gradient_clipping", default_clip())
     why = refusal(
         stage=stage,
         offload=offload,
