@@ -114,17 +114,3 @@ def reference() -> list[torch.Tensor]:
     batch = {k: torch.cat([m[k] for m in window]) for k in window[0]}
     F.cross_entropy(model(batch), batch["labels"], ignore_index=IGNORE).backward()
     return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def fsdp2_rank(rank: int, world: int) -> Any:
-    """FSDP2 keeps DTensor gradient shards: the probe must refuse by name, not pass."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_net()
-    fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with fb.probe(objective=objective) as probe:
-        for micro in data(rank)[0][:2]:  # FSDP2 needs as many forwards on every rank
-            fb.cross_entropy_sum(model(micro), micro["labels"])[0].backward()
-        opt.step()
-    return probe.report

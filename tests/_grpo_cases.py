@@ -39,8 +39,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def policy(seed: int = 0, moe: bool = False) -> Any:
-    """A tiny Qwen2 (or, with ``moe``, Qwen2-MoE: 4 experts, 2 per token) in float64."""
+def policy(seed: int = 0, moe: bool = False, dtype: torch.dtype = torch.float64) -> Any:
+    """A tiny Qwen2 (or, with ``moe``, Qwen2-MoE: 4 experts, 2 per token) in ``dtype``."""
     kind = Qwen2MoeConfig if moe else Qwen2Config
     extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     extra.update(shared_expert_intermediate_size=16, output_router_logits=False)
@@ -59,7 +59,7 @@ def policy(seed: int = 0, moe: bool = False) -> Any:
         bos_token_id=1,
     )
     torch.manual_seed(seed)
-    model = (Qwen2MoeForCausalLM if moe else Qwen2ForCausalLM)(config).double()
+    model = (Qwen2MoeForCausalLM if moe else Qwen2ForCausalLM)(config).to(dtype)
     with torch.no_grad():  # end completions sooner, so that their lengths differ
         model.lm_head.weight[1] += 0.3 * model.lm_head.weight.abs().mean()
     return model
@@ -104,7 +104,14 @@ def recording(trainer_cls: type) -> type:
 
 
 def run(
-    trainer_cls: type, *, max_steps: int = 4, seed: int = 0, moe: bool = False, **config: Any
+    trainer_cls: type,
+    *,
+    max_steps: int = 4,
+    seed: int = 0,
+    moe: bool = False,
+    dtype: torch.dtype = torch.float64,
+    recorder: type = _Recorder,
+    **config: Any,
 ) -> Any:
     from trl import GRPOConfig
 
@@ -126,7 +133,7 @@ def run(
         "max_steps": max_steps,
     }
     options.update(config)
-    model: Any = policy(seed, moe)
+    model: Any = policy(seed, moe, dtype)
     if options.get("beta"):
         # TRL builds the KL reference model from the policy's path: save the policy there
         model.save_pretrained(path := tempfile.mkdtemp())
@@ -141,7 +148,7 @@ def run(
             train_dataset=dataset(),
             processing_class=tokenizer(),
         )
-        trainer._recorder = _Recorder(trainer)
+        trainer._recorder = recorder(trainer)
         trainer.add_callback(trainer._recorder)
         trainer.train()
     return trainer

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._normalize import power_of_two_scale, scale_grads, squared_norm
+from fullbatch._base._close import Wing, close_window
+from fullbatch._base._normalize import power_of_two_scale, squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
-from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals, decide
+from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals
 from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._pipeline_scale import check_scaler, finish_scaler, window_scale
 
@@ -229,23 +230,20 @@ class PipelineWindow:
             loss_scale=self.loss_scale,
             max_grad_norm=pipe._max_grad_norm,
         )
-        verdict = decide(totals)
+        wing = Wing(
+            pipe.counters,
+            "pipe.skipped_windows and stats.skipped_windows",
+            scaler=pipe.scaler is not None,
+            clips=True,  # max_grad_norm is the pipeline's own
+        )
+        verdict = close_window(totals, wing, grads)  # scaled by W / (c·N) and the clip
         if not verdict.skipped:
-            scale_grads(grads, verdict.factor * verdict.clip)
             if pipe.scaler is not None:
                 pipe.scaler.step(pipe.optimizer)  # every gradient here is finite: it steps
             else:
                 pipe.optimizer.step()
-            pipe.counters.stepped()
             if pipe._scheduler is not None:
                 pipe._scheduler.step()
-        else:
-            pipe.counters.skipped(
-                pipe.counters.windows,
-                str(verdict.reason),
-                report="pipe.skipped_windows and stats.skipped_windows",
-                scaler=pipe.scaler is not None,
-            )
         if pipe.scaler is not None:  # the job-wide verdict, not this stage's own
             finish_scaler(pipe.scaler, self.scale, not totals.grad_finite)
         pipe.optimizer.zero_grad(set_to_none=True)

@@ -13,8 +13,11 @@ loss instead:
   of two ``<= 1 / N`` of the previous window), and after the window's last backward (gradients
   already summed over micro-batches and averaged over DDP ranks) multiplies the gradients by
   ``W / (c · N)``, where ``N`` is the window's item count over all micro-batches and all ranks
-  (one small all-reduce) and ``W`` the number of DDP ranks. Clipping,
-  ``on_pre_optimizer_step`` callbacks and the optimizer therefore see the full-batch gradient;
+  (one small all-reduce) and ``W`` the number of DDP ranks (FSDP2: its divide factor).
+  Clipping, ``on_pre_optimizer_step`` callbacks and the optimizer therefore see the
+  full-batch gradient. Under DeepSpeed (ZeRO 0-3), whose engine steps inside the last
+  backward, the window is counted when it is read (:meth:`ExactTrainer.exact_count`) and each
+  loss backpropagated as ``loss_sum · W / N`` (``fullbatch._hf_deepspeed``);
 - a window with no counted items, a non-finite loss or a non-finite gradient is skipped, as
   ``fb.Accumulator`` skips it: parameters, optimizer state and the LR schedule stay as they
   were, a ``RuntimeWarning`` says so (at the 1st, 2nd, 4th, ... skip) and
@@ -46,6 +49,7 @@ same rows as one full batch, and says whether its accumulation is exact.
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,13 +62,20 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         'fullbatch.hf needs transformers and accelerate: pip install "fullbatch[hf]"'
     ) from exc
 
-from fullbatch._base._normalize import check_count, squared_norm
-from fullbatch._base._schedule import KeptSchedule
-from fullbatch._base._verdict import WindowCounters, WindowTotals
+from fullbatch._base._normalize import check_count
+from fullbatch._base._verdict import WindowCounters
 from fullbatch._base._versions import trainer_parallel_size
+from fullbatch._hf_deepspeed import DeepSpeedTrainerWindow
 from fullbatch._hf_seq2seq import check_kind, with_decoder_inputs
-from fullbatch._hf_window import KeepSchedule, end_trainer_window
-from fullbatch._proof._objective import OBJECTIVES, head_objective, logits_of, objective_loss
+from fullbatch._hf_settings import refuse_args
+from fullbatch._hf_window import KeepSchedule, TrainerWindow
+from fullbatch._proof._objective import (
+    OBJECTIVES,
+    head_objective,
+    logits_of,
+    objective_count,
+    objective_loss,
+)
 
 if TYPE_CHECKING:
     from fullbatch._verify._hf_check import TrainerCheck, check_trainer
@@ -87,12 +98,22 @@ def _kind_loss(kind: str, outputs: Any, labels: torch.Tensor, shifted: bool) -> 
     return objective_loss(objective, logits, labels, shifted=shifted, arg="loss")
 
 
+def target_count(inputs: dict[str, Any], kind: str) -> float:
+    """The items loss kind ``kind`` counts in a micro-batch, from its labels (a causal LM's
+    ``shift_labels`` as given), before the forward."""
+    shifted = inputs.get("shift_labels") if kind == "causal_lm" else None
+    labels = inputs["labels"] if shifted is None else shifted
+    objective = "token" if kind == "seq2seq" else kind
+    return objective_count(objective, labels, shifted=shifted is not None)
+
+
 class ExactTrainer(Trainer):
     """A ``transformers.Trainer`` whose accumulated steps equal the full-batch step.
 
     Use it where you would use ``Trainer``, with the same arguments plus ``loss=``; every
     ``TrainingArguments`` option that does not change the loss keeps its meaning
-    (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP).
+    (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP, FSDP2,
+    DeepSpeed).
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
@@ -105,9 +126,11 @@ class ExactTrainer(Trainer):
         ValueError: an unknown ``loss``; a built-in kind that does not fit the model's head
             (e.g. ``"token"`` on a causal LM); settings whose loss scaling this class would
             silently override (``compute_loss_func``, ``label_smoothing_factor``,
-            DataParallel over several GPUs, DeepSpeed, FSDP, tensor/context parallelism,
-            LOMO optimizers); at the first micro-batch, missing ``labels`` or labels whose
-            shape does not fit the kind.
+            DataParallel over several GPUs, FSDP1, tensor/context parallelism, LOMO
+            optimizers); a DeepSpeed config whose ``gradient_clipping`` differs from
+            ``max_grad_norm``, or fp16/bf16 at ZeRO stage 0 (ZeRO 0-3 are exact otherwise:
+            each window is counted before its forward, :meth:`exact_count`); at the first
+            micro-batch, missing ``labels`` or labels whose shape does not fit the kind.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
 
@@ -172,43 +195,25 @@ class ExactTrainer(Trainer):
             )
         super().__init__(*args, **kwargs)
         self.fb_loss = loss
-        # c: a power of two <= 1 / N of the previous window, identical on every rank
-        self._fb_c = 1.0
-        self._fb_window: list[Any] = []  # the count and loss sum of this window, device tensors
-        self._fb_left = 0  # micro-batches of the current window not yet run
+        self._fb_c = 1.0  # c: a power of two <= 1 / N of the previous window, on every rank
+        self._fb_window: TrainerWindow | None = None  # the window being run (_hf_window)
         self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
-        self._fb_schedule: KeptSchedule | None = None  # a skip's LR schedule (KeepSchedule)
+        self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
         self.add_callback(KeepSchedule(self))
         self._check_settings()
 
     def _check_settings(self) -> None:
-        args = self.args
-        fights = {
-            "compute_loss_func": "pass it as loss=fn(outputs, labels) -> (loss_sum, count)"
-            if self.compute_loss_func is not None
-            else None,
-            f"label_smoothing_factor={args.label_smoothing_factor}": "write the smoothed loss "
-            "as loss=fn(outputs, labels) -> (loss_sum, count)"
-            if args.label_smoothing_factor
-            else None,
-            f"n_gpu={args.n_gpu} (DataParallel)": "launch one process per GPU (torchrun)"
-            if args.n_gpu > 1
-            else None,
-            "deepspeed": "DeepSpeed scales the loss itself; use DDP" if args.deepspeed else None,
-            "fsdp": "FSDP is not supported by ExactTrainer yet; use DDP" if args.fsdp else None,
-            f"optim={args.optim}": "use another optimizer (LOMO backpropagates itself)"
-            if "lomo" in str(args.optim).lower()
-            else None,
-            "tensor/context/sequence parallelism": "use plain data parallelism"
-            if trainer_parallel_size(self) > 1  # get_cp/sp_size: absent in older transformers
-            else None,
-        }
-        for setting, fix in fights.items():
-            if fix is not None:
-                raise ValueError(
-                    f"ExactTrainer normalizes the loss itself and cannot be combined with "
-                    f"{setting}: {fix}."
-                )
+        refuse_args(
+            type(self).__name__,
+            self.args,
+            compute_loss_func=self.compute_loss_func,
+            uncounted_loss=not isinstance(self.fb_loss, str) and not self._counts_up_front(),
+        )
+        if trainer_parallel_size(self) > 1:  # get_cp/sp_size: absent in older transformers
+            raise ValueError(
+                f"{type(self).__name__} normalizes the loss itself and refuses tensor/context/"
+                "sequence parallelism: use plain data parallelism."
+            )
         if callable(self.fb_loss) or self.fb_loss is None:
             return
         check_kind(self.fb_loss, self.accelerator.unwrap_model(self.model))
@@ -223,38 +228,37 @@ class ExactTrainer(Trainer):
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
     ) -> tuple[list[Any], None]:
-        """Read the next window's micro-batches (no counting here: counts come from the loss)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        self._fb_left = len(batches)
-        self._fb_window = []
+        """Read the next window's micro-batches and open the window (under DeepSpeed, whose
+        engine steps inside the last backward, it is counted now: :meth:`exact_count`)."""
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        opened = DeepSpeedTrainerWindow if self.is_deepspeed_enabled else TrainerWindow
+        self._fb_window = opened(self, batches)
         return batches, None
+
+    def _counts_up_front(self) -> bool:
+        return type(self).exact_count is not ExactTrainer.exact_count
+
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """The items ``exact_loss`` will sum for this micro-batch, from its labels, before the
+        forward (used under DeepSpeed, whose engine steps inside the window's last backward).
+        A subclass with its own ``exact_loss`` overrides it."""
+        if not isinstance(self.fb_loss, str) or "labels" not in inputs:
+            raise ValueError(
+                "under DeepSpeed ExactTrainer counts each micro-batch before its forward, from "
+                "its 'labels'; with loss=fn or without labels, override exact_count(inputs)."
+            )
+        return target_count(inputs, self.fb_loss)
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> torch.Tensor:
-        """Forward and backward of one micro-batch; after the window's last, normalize gradients.
+        """Forward and backward of one micro-batch; the window closes after its last.
 
         Returns the window's loss (sum over count, all ranks) on its last micro-batch and 0 on
         the others, so the Trainer's logged loss is the mean of true window losses.
         """
-        if self._fb_left <= 0:
-            raise RuntimeError(
-                "ExactTrainer.training_step ran outside a window: the Trainer's loop reads each "
-                "window with get_batch_samples first. Call trainer.train(), or "
-                "get_batch_samples(...) before the window's training_step calls."
-            )
-        self._fb_left -= 1
-        last = self._fb_left == 0
-        if self.accelerator.sync_gradients != last:
-            raise RuntimeError(
-                f"the Trainer syncs gradients at micro-batch {'not ' if last else ''}ending the "
-                "window ExactTrainer read: the loop and get_batch_samples disagree."
-            )
+        window = self._fb_window if self._fb_window is not None else TrainerWindow(self, [])
+        window.advance(self.accelerator.sync_gradients)  # raises outside a window
         model.train()
         optimizer: Any = self.optimizer
         if callable(getattr(optimizer, "train", None)):  # schedule-free optimizers
@@ -263,12 +267,9 @@ class ExactTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss_sum, count = self.exact_loss(model, inputs)
         loss_sum, count = self._validated(loss_sum, count)
-        self.accelerator.backward(loss_sum * self._fb_c)
-        stats = [loss_sum.detach().double().reshape(1), count.reshape(1), *self._micro_stats()]
-        self._fb_window.append(torch.cat([s.to(count) for s in stats]))
-        if not last:
-            return torch.zeros((), device=self.args.device)
-        return self._normalize(model)
+        window.record(loss_sum, count, self._micro_stats())
+        verdict = window.backward(self, model, loss_sum)
+        return torch.tensor(0.0 if verdict is None else verdict.loss, device=self.args.device)
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """The micro-batch's loss *summed* over its items, and how many items that is.
@@ -313,39 +314,6 @@ class ExactTrainer(Trainer):
             )
         checked = check_count(count)  # a tensor on an accelerator is returned unchecked
         return loss_sum, torch.as_tensor(checked, dtype=torch.float64, device=loss_sum.device)
-
-    def _normalize(self, model: torch.nn.Module) -> torch.Tensor:
-        """End the window through the verdict: the full-batch gradient, or a skip."""
-        totals = torch.stack(self._fb_window).sum(0)
-        world = self.accelerator.num_processes
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        if world > 1:
-            if not ddp:
-                raise RuntimeError(
-                    f"{world} processes but the model is {type(model).__name__}, not "
-                    "DistributedDataParallel: ExactTrainer supports DDP only."
-                )
-            totals = self.accelerator.reduce(totals, reduction="sum")
-        # DDP synced the gradients: every rank's squared norm is the same, read with the totals.
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        sq = squared_norm(grads, totals.device).to(totals).reshape(1)
-        *values, sq_total = torch.cat([totals, sq]).tolist()  # the one host sync per window
-        self._window_end(values)
-        verdict = end_trainer_window(
-            self,
-            model,
-            WindowTotals(
-                loss=values[0],
-                count=values[1],
-                squared_norm=sq_total,
-                # DDP averaged over `world` ranks; accelerate divided by its accumulation steps.
-                divisor=(world if ddp else 1) * self.accelerator.gradient_accumulation_steps,
-                loss_scale=self._fb_c,
-            ),
-        )
-        if verdict.next_loss_scale is not None:
-            self._fb_c = verdict.next_loss_scale
-        return torch.tensor(verdict.loss, device=self.args.device)
 
 
 def __getattr__(name: str) -> Any:

@@ -46,10 +46,11 @@ except ImportError:  # pragma: no cover - depends on what is installed
             'package); install it with: pip install "fullbatch[lightning]"'
         ) from exc
 
-from fullbatch._base._normalize import check_count, scale_grads, squared_norm
+from fullbatch._base._close import Wing, close_window, read_totals, skip_framework_step
+from fullbatch._base._normalize import check_count
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync import all_reduce_over
-from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals, decide
+from fullbatch._base._verdict import CountedSteps, Verdict, WindowCounters, WindowTotals
 
 __all__ = ["ExactAccumulation"]
 
@@ -353,46 +354,39 @@ class ExactAccumulation(CountedSteps, pl.Callback):
             world = float(self.grad_divisor)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # DDP synced the gradients (and Lightning unscaled them): the norm is every rank's.
-        sq = squared_norm([p.grad for p in params if p.grad is not None], local.device)
-        stats = torch.cat([local, sq.to(local).reshape(1)])
-        total_loss, total_count, bad, sq_total = stats.tolist()  # the one host sync per window
+        grads = [p.grad for p in params if p.grad is not None]
+        total_loss, total_count, bad, sq_total = read_totals(local, grads)  # one host sync
         if bad:
             raise ValueError(
                 f"{int(bad)} micro-batch count(s) in this window were negative or not finite "
                 f"(this rank's counts: {counts.tolist()}). " + _RETURN_HINT
             )
-        # Lightning backpropagated c · loss_sum / K; DDP averaged over `world` ranks.
-        verdict = decide(
-            WindowTotals(
-                loss=total_loss,
-                count=total_count,
-                squared_norm=sq_total,
-                divisor=divisors.pop() * world,
-                loss_scale=window[0].scale,
+
+        def skip(verdict: Verdict) -> None:
+            # Lightning steps step-interval schedulers after this window regardless: keep
+            # their state and the learning rates they set, restored at on_train_batch_end.
+            self._kept = skip_framework_step(
+                params,
+                (c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"),
+                optimizer.param_groups,
             )
+
+        # Lightning backpropagated c · loss_sum / K; DDP averaged over `world` ranks.
+        totals = WindowTotals(
+            loss=total_loss,
+            count=total_count,
+            squared_norm=sq_total,
+            divisor=divisors.pop() * world,
+            loss_scale=window[0].scale,
         )
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        wing = Wing(self.counters, "the callback's skipped_windows", _THROUGH, scaler=scaler)
+        verdict = close_window(totals, wing, grads, skip)
         self.loss, self.count = verdict.loss, total_count
         if verdict.next_loss_scale is not None:
             self._scale = verdict.next_loss_scale
         if verdict.skipped:
-            for p in params:
-                p.grad = None  # torch optimizers leave parameters without a gradient alone
-            # Lightning steps step-interval schedulers after this window regardless: keep
-            # their state and the learning rates they set, restored at on_train_batch_end.
-            self._kept = KeptSchedule(
-                (c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"),
-                optimizer.param_groups,
-            )
-            self.counters.skipped(
-                self.counters.windows,
-                str(verdict.reason),
-                report="the callback's skipped_windows",
-                scaler=getattr(trainer.precision_plugin, "scaler", None) is not None,
-                through=_THROUGH,
-            )
             return
-        scale_grads([p.grad for p in params if p.grad is not None], verdict.factor)
-        self.counters.stepped()
         if self.log_name is not None:
             # a Python float would be logged as float32
             value = torch.tensor(self.loss, dtype=torch.float64)

@@ -71,8 +71,9 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
         "docs/integrations_frameworks.md (Super-Gradients) shows."
     ) from exc
 
-from fullbatch._base._normalize import check_count, power_of_two_scale, scale_grads, squared_norm
-from fullbatch._base._verdict import NONFINITE_GRADIENT, WindowCounters, WindowTotals, decide
+from fullbatch._base._close import Wing, close_window
+from fullbatch._base._normalize import check_count, power_of_two_scale, squared_norm
+from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters, WindowTotals
 from fullbatch._base._warn import warn
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
 
@@ -316,27 +317,22 @@ class ExactTrainer(Trainer):
                 f"({counts.tolist()}): SummedLoss's fn must return the number of items its sum "
                 "holds."
             )
-        verdict = decide(
-            WindowTotals(loss=loss, count=count, squared_norm=sq, loss_scale=window.scale or 1.0)
+        scaler = self.scaler.is_enabled()
+
+        def skip(verdict: Verdict) -> None:
+            if verdict.reason == NONFINITE_GRADIENT and scaler:
+                self.scaler.step(self.optimizer)  # finds the inf, skips the optimizer, backs off
+                self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        totals = WindowTotals(
+            loss=loss, count=count, squared_norm=sq, loss_scale=window.scale or 1.0
         )
+        wing = Wing(self.fb_counters, "trainer.fb_counters.skipped_windows", _THROUGH, scaler)
+        verdict = close_window(totals, wing, grads, skip)
         window.losses, window.counts = [], []
         if verdict.next_loss_scale is not None:
             window.scale = verdict.next_loss_scale
         self._fb.end(apply=not verdict.skipped)
         self.fb_loss = verdict.loss
-        if not verdict.skipped:
-            scale_grads(grads, verdict.factor)
-            self.fb_counters.stepped()
-            return True
-        if verdict.reason == NONFINITE_GRADIENT and self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # finds the inf, skips the optimizer, backs off
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.fb_counters.skipped(
-            self.fb_counters.windows,
-            str(verdict.reason),
-            report="trainer.fb_counters.skipped_windows",
-            scaler=self.scaler.is_enabled(),
-            through=_THROUGH,
-        )
-        return False
+        return not verdict.skipped

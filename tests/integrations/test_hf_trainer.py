@@ -206,7 +206,7 @@ def test_check_trainer(tmp_path: Any, rows: list[Any]) -> None:
     assert "PASSED" in str(good) and good.accumulated.global_rel_error < F64_TOL
     for name, p in model.named_parameters():  # the user's model is untouched
         assert torch.equal(p, before[name]) and p.grad is None, name
-    assert exact_trainer._fb_c == 1.0 and exact_trainer._fb_left == 0
+    assert exact_trainer._fb_c == 1.0 and exact_trainer._fb_window is None
     assert exact_trainer.fb_counters.windows == 0  # the check left no count behind
     # Llama's head consumes num_items_in_batch: the stock Trainer is exact there, and says so.
     llama_check = fbhf.check_trainer(_trainer(tmp_path, llama(), "causal_lm"), rows)

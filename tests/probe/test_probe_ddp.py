@@ -99,9 +99,3 @@ def test_dropout_under_ddp_is_replayed() -> None:
     results = _run("right", dropout=0.3)
     for rank in results:
         assert rank["probed"]["report"].ok, str(rank["probed"]["report"])
-
-
-def test_fsdp2_is_refused_by_name_on_every_rank() -> None:
-    for report in values(run_ranks(cases.fsdp2_rank, 2)):
-        assert not report.ok and report.windows == ()
-        assert "FSDP2" in report.problems[0] and "unsupported" in report.problems[0]

@@ -177,7 +177,7 @@ def test_flat_parameters_are_refused_by_name() -> None:
 
 
 def test_an_engine_that_keeps_gradients_elsewhere_is_refused_by_name() -> None:
-    class DeepSpeedEngine(nn.Module):  # the class name DeepSpeed's engine has
+    class GeminiDDP(nn.Module):  # the class name ColossalAI's Gemini wrapper has
         def __init__(self, module: nn.Module) -> None:
             super().__init__()
             self.module = module
@@ -186,14 +186,14 @@ def test_an_engine_that_keeps_gradients_elsewhere_is_refused_by_name() -> None:
             return self.module(batch)
 
     model = make_net()
-    engine = DeepSpeedEngine(model)
+    engine = GeminiDDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with fb.probe(objective=objective) as probe:
         for micro in WINDOW:
             fb.cross_entropy_sum(engine(micro), micro["labels"])[0].backward()
         opt.step()
     assert not probe.report.ok and probe.report.windows == ()
-    assert "DeepSpeed" in probe.report.problems[0] and "unsupported" in probe.report.problems[0]
+    assert "Gemini" in probe.report.problems[0] and "unsupported" in probe.report.problems[0]
 
 
 def test_clip_grad_value_is_refused() -> None:

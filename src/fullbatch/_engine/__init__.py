@@ -7,7 +7,8 @@ One job per module, in import order (imports run downwards only, tests/package/t
   ``accumulate_dtype``, ``batchnorm``); the sync options are ``_base._sync.SyncPlan``;
 - services: ``_hooks`` (window hooks), ``_precision`` (``accumulate_dtype``'s buffers),
   ``_batchnorm`` (window statistics), ``_prepared`` and ``_boosted`` (Accelerate's and
-  ColossalAI's wrapped objects), ``_dcp`` (DCP's own optimizer step);
+  ColossalAI's wrapped objects; a DeepSpeed engine refused), ``_dcp`` (DCP's own optimizer
+  step);
 - ``_state`` (:class:`WindowState`) and ``_watch`` (:class:`Watch`, one check of the user's
   loop, told each micro-batch, backward and step; :class:`Watches`, the list built once);
 - the checks, each a ``Watch``: ``_guards`` (leftovers of a hand loop), ``_mistakes``

@@ -16,6 +16,11 @@ class name and module (``colossalai.*``) without importing ColossalAI:
 
 Unwrapping the model only changes what fullbatch synchronizes; passing the inner DDP model and
 the inner optimizer by hand is the same.
+
+A DeepSpeed engine (``deepspeed.initialize``, or Accelerate's DeepSpeed plugin, whose
+``prepare`` returns the engine and a ``DeepSpeedOptimizerWrapper``) is refused the same way:
+it reduces and partitions gradients inside its own backward and steps inside
+``accelerator.backward``; ``fullbatch.deepspeed.ExactEngine`` is the route that works on it.
 """
 
 from __future__ import annotations
@@ -62,6 +67,32 @@ def _refuse(what: str, name: str, obj: Any) -> None:
     )
 
 
+_DEEPSPEED_FIX = (
+    "so fb.Accumulator cannot normalize them after the window. Use "
+    "fullbatch.deepspeed.ExactEngine on the engine instead: `exact = ExactEngine(model, "
+    "count=lambda micro: fb.count_tokens(micro['labels']))`, then `for window in "
+    "exact.windows(loader)`, `window.backward(loss_sum, n)` and `window.step()` "
+    "(docs/distributed.md, 'DeepSpeed')."
+)
+
+
+def _refuse_deepspeed(model: Any, optimizer: Any) -> None:
+    """A DeepSpeed engine, or Accelerate's wrapper of its optimizer, is not fullbatch's."""
+    engine = any(c.__module__.split(".")[0] == "deepspeed" for c in type(model).__mro__)
+    wrapper = type(optimizer).__name__ == "DeepSpeedOptimizerWrapper"
+    if engine or wrapper:
+        what = (
+            f"model is a DeepSpeed engine ({type(model).__name__})"
+            if engine
+            else ("optimizer is Accelerate's DeepSpeedOptimizerWrapper (its DeepSpeed plugin)")
+        )
+        raise ValueError(
+            f"the {what}: DeepSpeed divides every loss by gradient_accumulation_steps, "
+            "reduces (ZeRO 2/3: and partitions) the gradients inside its own backward and "
+            f"steps inside accelerator.backward, {_DEEPSPEED_FIX}"
+        )
+
+
 def unwrap_boosted(model: nn.Module, optimizer: Any, scaler: Any) -> tuple[nn.Module, Any]:
     """The model whose gradient sync fullbatch controls and the optimizer it hooks and steps.
 
@@ -69,8 +100,10 @@ def unwrap_boosted(model: nn.Module, optimizer: Any, scaler: Any) -> tuple[nn.Mo
 
     Raises:
         ValueError: a ColossalAI plugin that keeps gradients outside ``.grad`` (ZeRO, Gemini,
-            hybrid parallel, FSDP1), or ``TorchAMPOptimizer`` without its GradScaler.
+            hybrid parallel, FSDP1), or ``TorchAMPOptimizer`` without its GradScaler; a
+            DeepSpeed engine.
     """
+    _refuse_deepspeed(model, optimizer)
     while (name := _colossal(model)) is not None:
         if name not in _PASS_THROUGH_MODELS:
             _refuse("model", name, model)

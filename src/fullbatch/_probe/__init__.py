@@ -11,15 +11,19 @@ home:
   on the graph the engine will backpropagate through, so no forward runs twice; otherwise the
   window is replayed at ``step()``;
 - **the applied gradient** (``_applied``): a small protocol, ``AppliedGradient`` (``params()``,
-  ``applied()``, ``leftover()``, ``unsupported()``, and the ``claims(seen)`` class method),
-  one class per engine. Today one reader, ``_applied_grad`` (``.grad``: plain modules and
-  DDP). **A new engine is one new module with one class implementing the protocol, and one
-  line in ``_applied.READERS``** ahead of the ``.grad`` reader: FSDP2 (``DTensor`` gradients,
-  ``full_tensor()``), DeepSpeed ZeRO (``safe_get_full_grad``, its engine found among
-  ``Seen.wrappers``). It says whether it claims a window, returns whole gradients after the
-  engine's own accumulation scaling, and says why it cannot when it cannot; nothing else in the
-  probe changes (the reference may need a hint where the engine's hooks fire in backward: that
-  is ``_reference``'s, not the reader's);
+  ``applied()``, ``leftover()``, ``unsupported()``, the ``claims(seen)`` class method, and
+  where an engine differs from plain ``.grad``: ``stepped()``, ``wrt()``, ``replaying()``,
+  ``clip()``, ``continues()``; ``Reader`` answers them as most engines do), one class per
+  engine, in ``_applied.READERS`` order: ``_applied_deepspeed`` (DeepSpeed ZeRO 0-3, CPU
+  offload: its partitions and offload buffers gathered whole, its engine found among
+  ``Seen.wrappers``), ``_applied_fsdp`` (FSDP2/HSDP: ``DTensor`` gradients through
+  ``full_tensor()``, the reference differentiated against FSDP2's unsharded parameters),
+  ``_applied_grad`` (``.grad``: plain modules and DDP; claims the rest). **A new engine is one
+  new module with one class implementing the protocol, and one line in ``_applied.READERS``**
+  ahead of the ``.grad`` reader. It says whether it claims a window, returns whole gradients
+  after the engine's own accumulation scaling, and says why it cannot when it cannot; what the
+  reference must know of the engine (what to differentiate, what its hooks move) the reader
+  answers, and ``_reference`` asks;
 - **the judge** (``_judge``): alone decides ``ok``, the pattern and the sentence from the
   measured numbers (``_measured.Measured``), by the rule in its docstring (error against the
   band's tolerance, and every fitted weight and factor against its own measured precision),
@@ -46,7 +50,7 @@ One job per module:
   its band and its sum over ranks; ``_early``: the reference taken on the engine's own
   forwards;
 - ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
-  the ``.grad`` reader;
+  the ``.grad`` reader; ``_applied_deepspeed``: DeepSpeed's; ``_applied_fsdp``: FSDP2's;
 - ``_sample``: the gradient coordinates the weight fit looks at;
 - ``_window``: one window from its first optimizer's ``step()``: the reference, each
   optimizer's applied gradient against it; ``_measure``: the window closed over every rank;

@@ -7,24 +7,39 @@ wrapper, the parameters' type) and builds the first that does; the plain ``.grad
 (:mod:`fullbatch._probe._applied_grad`) comes last and claims everything. A new engine is one
 module with one class, and one line in ``READERS`` ahead of the ``.grad`` reader, e.g. FSDP2
 (``DTensor`` gradients gathered with ``full_tensor()``) or DeepSpeed
-(``deepspeed.utils.safe_get_full_grad``, which needs the DeepSpeed engine: find it among
+(its ZeRO partitions and offload buffers, read through the engine found among
 ``Seen.wrappers``). A reader's module imports its engine's package inside its methods, never
 at import, and ``claims`` looks only at objects it is handed (``sys.modules`` for classes).
+
+A reader subclasses :class:`Reader` for the answers most engines share and overrides where its
+engine differs: which parameters stand for a flattened copy the engine steps
+(:meth:`~AppliedGradient.params`, :meth:`~AppliedGradient.stepped`), what the reference must
+differentiate where the forward runs on other tensors than the parameters
+(:meth:`~AppliedGradient.wrt`: FSDP2's unsharded parameters), engine state the reference's
+replays move (:meth:`~AppliedGradient.replaying`), a clip the engine applies itself
+(:meth:`~AppliedGradient.clip`), and an engine step that steps the torch optimizer once per
+parameter group (:meth:`~AppliedGradient.continues`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["READERS", "AppliedGradient", "Seen", "applied_gradient"]
+__all__ = ["READERS", "AppliedGradient", "Reader", "Seen", "applied_gradient"]
 
 #: ``module:class`` of every reader, most specific first; the ``.grad`` reader claims all.
-READERS = ("fullbatch._probe._applied_grad:GradApplied",)
+READERS = (
+    "fullbatch._probe._applied_deepspeed:DeepSpeedApplied",
+    "fullbatch._probe._applied_fsdp:FSDPApplied",
+    "fullbatch._probe._applied_grad:GradApplied",
+)
 
 
 @dataclass(frozen=True)
@@ -32,15 +47,18 @@ class Seen:
     """What the probe saw of a window, for a reader to decide and to read.
 
     Attributes:
-        params: the parameters whose gradient is compared: every optimizer's stepped in the
-            window (then those of the module that ran that no optimizer trains), each once.
+        params: the tensors the optimizers step in the window, each once (the model's
+            parameters, or the flattened partitions an engine steps instead: DeepSpeed ZeRO).
         modules: the modules that ran the window's micro-batches (wrappers looked through).
         wrappers: the wrappers they ran under (a DDP module, a DeepSpeed engine, ...).
+        extra: the trainable parameters of the module that ran that no optimizer steps
+            (differentiated for the weight fit, not compared).
     """
 
     params: tuple[nn.Parameter, ...]
     modules: tuple[nn.Module, ...] = ()
     wrappers: tuple[nn.Module, ...] = ()
+    extra: tuple[nn.Parameter, ...] = ()
 
 
 class AppliedGradient(Protocol):
@@ -55,7 +73,18 @@ class AppliedGradient(Protocol):
         ...
 
     def params(self) -> list[nn.Parameter]:
-        """The parameters read, in the order of :meth:`applied` (``seen.params``)."""
+        """The model's parameters read, in the order of :meth:`applied`: first the
+        :meth:`stepped` ones, whose gradient is compared, then the module's other trainable
+        parameters (``Seen.extra``)."""
+        ...
+
+    def stepped(self) -> int:
+        """How many of :meth:`params` (a prefix) the optimizers step."""
+        ...
+
+    def wrt(self) -> list[torch.Tensor]:
+        """What the reference differentiates for each of :meth:`params`: the parameter itself,
+        or the tensor the engine's forward uses in its place (FSDP2's unsharded parameter)."""
         ...
 
     def applied(self) -> list[torch.Tensor | None]:
@@ -73,6 +102,56 @@ class AppliedGradient(Protocol):
     def unsupported(self) -> str | None:
         """Why this window's gradient cannot be read whole (said in the report), or None."""
         ...
+
+    def replaying(self) -> AbstractContextManager[None]:
+        """Entered around the reference's replays: puts back any engine state the replayed
+        forwards and backwards move through the engine's own hooks (DeepSpeed ZeRO-3 releases
+        the parameters they gathered, as its step had)."""
+        ...
+
+    def clip(self) -> tuple[float, float, float] | None:
+        """At ``step()``: ``(max_norm, norm before the clip, coefficient)`` of a clip the engine
+        applies itself to :meth:`applied` (not through ``clip_grad_norm_``), or None."""
+        ...
+
+    def continues(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a step of ``optimizer`` with no micro-batch since this window was read is the
+        same engine step (DeepSpeed steps the torch optimizer once per parameter group)."""
+        ...
+
+
+class Reader:
+    """What most readers answer alike: the parameters as seen, differentiated themselves, no
+    clip of the engine's own, one ``step()`` per window, no gradient before the window."""
+
+    name: ClassVar[str] = "reader"
+
+    def __init__(self, seen: Seen) -> None:
+        self.seen = seen
+
+    def params(self) -> list[nn.Parameter]:
+        return [*self.seen.params, *self.seen.extra]
+
+    def stepped(self) -> int:
+        return len(self.seen.params)
+
+    def wrt(self) -> list[torch.Tensor]:
+        return list(self.params())
+
+    def leftover(self) -> list[torch.Tensor | None]:
+        return [None] * len(self.params())
+
+    def unsupported(self) -> str | None:
+        return None
+
+    def replaying(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def clip(self) -> tuple[float, float, float] | None:
+        return None
+
+    def continues(self, optimizer: torch.optim.Optimizer) -> bool:
+        return False
 
 
 def applied_gradient(seen: Seen) -> AppliedGradient:

@@ -2,9 +2,9 @@
 
 DDP has averaged it over the ranks by then (or, under ``no_sync`` misuse, not: the window's
 check compares ranks); a hand loop that all-reduces gradients itself has done so. Engines
-that keep gradients elsewhere are refused with their reason until they have their own reader
-(:mod:`fullbatch._probe._applied`): FSDP1's flat parameters, FSDP2/tensor-parallel
-``DTensor`` parameters, DeepSpeed ZeRO and ColossalAI's ZeRO/Gemini buffers.
+that keep gradients elsewhere and have no reader of their own (:mod:`fullbatch._probe._applied`
+lists those that do: DeepSpeed, FSDP2) are refused with their reason: FSDP1's flat
+parameters, tensor-parallel ``DTensor`` parameters, ColossalAI's ZeRO/Gemini buffers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fullbatch._base._sync._probe import unsupported_wrapper
-from fullbatch._probe._applied import Seen
+from fullbatch._probe._applied import Reader, Seen
 
 __all__ = ["GradApplied", "unsupported_params"]
 
@@ -29,34 +29,28 @@ def unsupported_params(params: tuple[nn.Parameter, ...]) -> str | None:
     if any(getattr(p, "_is_flat_param", False) for p in params):
         return "the optimizer trains FSDP1 flat parameters, whose .grad is a flattened shard"
     if any(hasattr(p, "_local_tensor") for p in params):
-        return "the optimizer trains DTensor parameters (FSDP2 or tensor parallelism)"
+        return "the optimizer trains DTensor parameters outside FSDP2 (tensor parallelism)"
     return None
 
 
-class GradApplied:
+class GradApplied(Reader):
     """``p.grad`` for every parameter (see the module docstring)."""
 
     name: ClassVar[str] = ".grad"
-
-    def __init__(self, seen: Seen) -> None:
-        self._seen = seen
 
     @classmethod
     def claims(cls, seen: Seen) -> bool:
         return True  # the last reader: anything no other reader claims
 
-    def params(self) -> list[nn.Parameter]:
-        return list(self._seen.params)
-
     def applied(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self._seen.params]
+        return [p.grad for p in self.params()]
 
     def leftover(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self._seen.params]
+        return [p.grad for p in self.params()]
 
     def unsupported(self) -> str | None:
-        for module in (*self._seen.wrappers, *self._seen.modules):
+        for module in (*self.seen.wrappers, *self.seen.modules):
             why = unsupported_wrapper(module)
             if why is not None:
                 return why
-        return unsupported_params(self._seen.params)
+        return unsupported_params(self.seen.params)

@@ -32,8 +32,9 @@ from fullbatch._probe._frames import find_labels, find_micro
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
 
-#: Wrappers whose forward only hands the inputs to the module inside them.
-_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel")
+#: Wrappers whose forward only hands the inputs to the module inside them (DeepSpeed's engine
+#: also hooks its output's backward: replayed through it, the probe's backward would run them).
+_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel", "DeepSpeedEngine")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 #: Output tensors watched per call at most (a model's outputs may hold its whole KV cache).
 _MAX_WATCHED = 64
@@ -224,6 +225,7 @@ class _Frame:
     module: nn.Module
     rng: RngState | None = None
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    args: tuple[Any, ...] = ()  # as the caller passed them, before the module's own pre-hooks
 
 
 @dataclass
@@ -318,7 +320,7 @@ class Capture:
         if id(module) not in self._firsts:
             self._firsts.add(id(module))
             self.on_first(module, tuple(f.module for f in self._stack))
-        self._stack.append(_Frame("root", module, RngState(), autocast_state()))
+        self._stack.append(_Frame("root", module, RngState(), autocast_state(), tuple(args)))
 
     def _post(self, module: nn.Module, args: Any, *rest: Any) -> None:
         if self.paused or not self._stack or _in_backward():
@@ -327,6 +329,7 @@ class Capture:
         if frame.kind != "root" or len(rest) != 2:  # 1 extra argument: the forward raised
             return
         kwargs, output = rest
+        args = frame.args  # a module pre-hook may have replaced them (DeepSpeed ZeRO-3 does)
         assert frame.rng is not None
         ddp = (f.module for f in reversed(self._stack) if is_ddp(f.module))
         wrapper = next(ddp, self._wrapper)

@@ -11,8 +11,8 @@ declares it the same way; the probe finds it among its Trainer's callbacks.
 
 **Other engines** cannot declare anything: they are recognised by the package their classes
 come from (``transformers``, ``trl``, ``lightning``, ``composer``, ``super_gradients``,
-``accelerate``, ``colossalai``), looking at the ``self`` of the frames above ``step()``.
-Nothing is read from any frame but ``self``, and nothing is written.
+``accelerate``, ``colossalai``, ``deepspeed``), looking at the ``self`` of the frames above
+``step()``. Nothing is read from any frame but ``self``, and nothing is written.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ __all__ = ["Engine", "declared_route", "find_engine"]
 _DEPTH = 64
 #: Optimizer wrappers that step the torch optimizer inside them, by package: named the engine
 #: only when no engine is found above them (``fb.Accumulator`` steps through them too).
-_WRAPPER_PACKAGES = {"accelerate": "Accelerate", "colossalai": "ColossalAI"}
+_WRAPPER_PACKAGES = {
+    "accelerate": "Accelerate",
+    "colossalai": "ColossalAI",
+    "deepspeed": "DeepSpeed",
+}
 _TRAINER_PACKAGES = {"composer": "Composer", "super_gradients": "Super-Gradients"}
 
 

@@ -34,6 +34,12 @@ def _route(engine: Engine) -> str:
             "add fullbatch.lightning.ExactAccumulation() to the Trainer's callbacks and return "
             "{'loss': loss_sum, 'count': n} from training_step"
         )
+    if package == "deepspeed":  # a raw engine, or Accelerate's DeepSpeed plugin
+        return (
+            "drive the engine with exact = fullbatch.deepspeed.ExactEngine(engine, count=fn): "
+            "for window in exact.windows(loader), window.backward(loss_sum, count) for each "
+            "micro-batch, then window.step()"
+        )
     if package == "accelerate":
         return f"{_ACCUMULATOR} (on the prepared model and optimizer, instead of accumulate())"
     if package == "composer":

@@ -38,9 +38,14 @@ def _ours(frame: FrameType) -> bool:
     return os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _HERE
 
 
+#: Packages whose frames are a wrapper's, not the loop's (DeepSpeed's engine forward holds the
+#: model's inputs as ``inputs``, as DDP's does).
+_WRAPPERS = ("torch", "deepspeed")
+
+
 def _skipped(frame: FrameType) -> bool:
-    name = frame.f_globals.get("__name__", "")
-    return bool(name == "torch" or name.startswith("torch.") or _ours(frame))
+    name = str(frame.f_globals.get("__name__", ""))
+    return name.split(".")[0] in _WRAPPERS or _ours(frame)
 
 
 def _holds(value: Any, ids: set[int]) -> bool:

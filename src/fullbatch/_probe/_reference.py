@@ -32,7 +32,7 @@ from fullbatch._base._sync._probe import sum_tensors
 from fullbatch._probe._call_loss import ObjectiveFn
 from fullbatch._probe._capture import Call
 from fullbatch._probe._replay import Grads, replay, reversed_call, rows_of
-from fullbatch._probe._sample import Sampler
+from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._proof._norms import squared
 
 __all__ = ["LocalReference", "add_into", "recompute", "summed_over_ranks"]
@@ -93,10 +93,17 @@ def add_into(ref: Grads, grads: Grads) -> None:
 
 
 def recompute(
-    calls: list[Call], params: list[nn.Parameter], sampler: Sampler, objective: ObjectiveFn
+    calls: list[Call],
+    params: list[nn.Parameter],
+    sampler: Sampler,
+    objective: ObjectiveFn,
+    *,
+    wrt: list[torch.Tensor] | None = None,
 ) -> LocalReference:
     """Replay ``calls`` (see the module docstring); the model, its buffers, ``.grad`` and the
-    RNG streams are as they were on return.
+    RNG streams are as they were on return. ``wrt``: for each of ``params``, the tensor to
+    differentiate in its place where the engine's forward computes with another (FSDP2's
+    unsharded parameters; :meth:`fullbatch._probe._applied.AppliedGradient.wrt`).
 
     The band's micro-batch (the one with most rows) runs first, before the reference buffer
     exists, so that at most two gradients are alive at any time: the reference and the one
@@ -116,16 +123,17 @@ def recompute(
     widest = max(range(len(calls)), key=lambda i: rows_of([*calls[i].args, calls[i].kwargs]) or 0)
     order = [widest, *(i for i in range(len(calls)) if i != widest)]
     banded = False
+    targets: list[Any] = list(params) if wrt is None else wrt
     try:
         with torch.enable_grad():
             for index in order:
                 call = calls[index]
-                grads, count = replay(call, objective, params, 1.0)
+                grads, count = replay(call, objective, targets, 1.0)
                 samples[index] = sampler.take([grads[j] for j in pick])
                 counts[index] = count
                 if not banded and count > 0:
                     divisor = 3.0 * count * len(calls)  # like 1 / N: no power of two
-                    again, out.band_rows_reversed = _band(call, objective, params, divisor)
+                    again, out.band_rows_reversed = _band(call, objective, targets, divisor)
                     out.band = math.sqrt(squared(again, grads, scale=divisor))
                     picked = sampler.take([again[j] for j in pick])
                     delta = picked * divisor - samples[index]  # δ, sampled (float64)
@@ -161,9 +169,11 @@ def _taken(early: Any, params: list[nn.Parameter]) -> LocalReference:
 
 
 def _zeros(p: nn.Parameter) -> torch.Tensor:
-    """Zeros in the dtype the reference keeps for ``p`` (low precision summed in float32)."""
+    """Zeros of ``p``'s whole shape (a plain tensor, also for a ``DTensor`` or a partitioned
+    parameter) in the dtype the reference keeps for it (low precision summed in float32)."""
     low = p.dtype in (torch.bfloat16, torch.float16)
-    return torch.zeros_like(p, dtype=torch.float32 if low else p.dtype)
+    dtype = torch.float32 if low else p.dtype
+    return torch.zeros(whole_shape(p), dtype=dtype, device=p.device)
 
 
 def summed_over_ranks(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
-from fullbatch._probe._applied import Seen, applied_gradient
+from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._early import EarlyReference
@@ -108,6 +108,7 @@ class Probe:
         self._problems: list[str] = []
         self._open: OpenWindow | None = None
         self._outer: tuple[nn.Module, ...] = ()
+        self._last: AppliedGradient | None = None  # the last window's reader
         self._windows = 0
         self._done = False
         self.failed: BaseException | None = None  # what the probe's own check raised
@@ -188,6 +189,9 @@ class Probe:
         micro-batches recorded since (closing the open one first)."""
         if self._done:
             return
+        last = self._last
+        if last is not None and not self._capture.reached() and last.continues(optimizer):
+            return  # the engine steps the window's other parameter groups (DeepSpeed ZeRO)
         if self._open is not None:
             stepped = any(o is optimizer for o in self._open.window.optimizers)
             if not stepped and not self._capture.reached():
@@ -219,41 +223,49 @@ class Probe:
         kept, left_out = micro_batches(calls)
         window = WindowData(self._windows, kept, [], self._leftovers, no_backward=left_out)
         self._leftovers = {}
-        params = trained(optimizer)
-        ids = {id(p) for p in params}
-        mine = window.calls_of(params)
-        sampled = self.sampler_for(mine[0].module).params if mine else []
-        candidates = params + [p for p in sampled if id(p) not in ids]
-        reader = self._reader(params, candidates, window, optimizer)
+        reader = self._reader(trained(optimizer), window, optimizer, extra=True)
         if reader is None:
             return
         self._open = OpenWindow.start(
-            window, candidates, sampler_for=self.sampler_for, objective=self.objective,
+            window, reader, sampler_for=self.sampler_for, objective=self.objective,
             ranks=self.ranks, engine=find_engine(),
         )  # fmt: skip
-        self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
+        self._open.read(optimizer, reader, self._clips_of(reader))
 
     def _read(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._open is not None
-        params = trained(optimizer)
-        reader = self._reader(params, params, self._open.window, optimizer)
+        reader = self._reader(trained(optimizer), self._open.window, optimizer, extra=False)
         if reader is not None:
-            self._open.read(optimizer, reader, self._clips.for_step(params, find_engine()))
+            self._open.read(optimizer, reader, self._clips_of(reader))
+
+    def _clips_of(self, reader: AppliedGradient) -> list[Any]:
+        return self._clips.for_step(reader.params()[: reader.stepped()], find_engine())
 
     def _reader(
-        self, params: list[nn.Parameter], seen: list[nn.Parameter], window: WindowData,
-        optimizer: torch.optim.Optimizer,
-    ) -> Any:  # fmt: skip
-        """The applied-gradient reader for ``seen``, or None (said, and the probe stopped)."""
-        modules = tuple({id(c.module): c.module for c in window.calls_of(params)}.values())
-        reader = applied_gradient(Seen(tuple(seen), modules, self._outer))
+        self, params: list[nn.Parameter], window: WindowData, optimizer: torch.optim.Optimizer,
+        *, extra: bool,
+    ) -> AppliedGradient | None:  # fmt: skip
+        """The applied-gradient reader for the tensors ``optimizer`` steps (``params``: the
+        model's parameters, or the flattened partitions an engine steps in their place), or
+        None (said, and the probe stopped). ``extra``: the reference also differentiates the
+        trainable parameters of the module that ran that no optimizer trains (the weight fit's,
+        not compared)."""
+        mine = window.calls_of(params) or window.calls  # DeepSpeed ZeRO steps flat partitions
+        modules = tuple({id(c.module): c.module for c in mine}.values())
+        others: list[nn.Parameter] = []
+        if extra and mine:
+            ids = {id(p) for p in params}
+            others = [p for p in self.sampler_for(mine[0].module).params if id(p) not in ids]
+        reader = applied_gradient(Seen(tuple(params), modules, self._outer, tuple(others)))
         why = reader.unsupported()
         if why is None:
+            self._last = reader
             return reader
         self._problems.append(
             f"unsupported: {why}; the probe reads the gradient the optimizer applies "
             "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
-            "Trainer, TRL, Lightning, Accelerate)"
+            "Trainer, TRL, Lightning, Accelerate; DeepSpeed ZeRO 0-3 with or without "
+            "offload; FSDP2 and HSDP)"
         )
         self._open = None
         self._finish(optimizer)

@@ -11,11 +11,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LIMIT", "Sampler"]
+__all__ = ["LIMIT", "Sampler", "whole_shape"]
 
 #: Coordinates kept per micro-batch (float64: 128 KiB each).
 LIMIT = 16384
 _SEED = 20240924
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape: a ``DTensor``'s is its global one; DeepSpeed ZeRO-3 keeps a
+    partitioned parameter's in ``ds_shape`` (its own is empty between its forwards).
+
+    >>> whole_shape(nn.Parameter(torch.zeros(2, 3)))
+    torch.Size([2, 3])
+    """
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
 
 
 class Sampler:
@@ -29,7 +40,7 @@ class Sampler:
 
     def __init__(self, params: list[nn.Parameter], limit: int = LIMIT) -> None:
         self.params = params
-        sizes = [p.numel() for p in params]
+        sizes = [whole_shape(p).numel() for p in params]
         total = sum(sizes)
         self.exact = total <= limit
         self.index: list[torch.Tensor | None] = [None] * len(params)
@@ -49,7 +60,7 @@ class Sampler:
         """The sampled entries of ``grads`` (one per parameter, None as zeros), float64 on CPU."""
         parts = []
         for p, g, index in zip(self.params, grads, self.index, strict=True):
-            n = p.numel() if index is None else index.numel()
+            n = whole_shape(p).numel() if index is None else index.numel()
             if g is None:
                 parts.append(torch.zeros(n, dtype=torch.float64))
                 continue

@@ -146,15 +146,18 @@ class OpenWindow:
     def start(
         cls,
         window: WindowData,
-        candidates: list[nn.Parameter],
+        reader: AppliedGradient,
         *,
         sampler_for: Callable[[nn.Module], Sampler],
         objective: Any,
         ranks: Any,
         engine: Engine,
     ) -> OpenWindow:
-        """Recompute the reference for ``candidates`` over the window's micro-batches and sum
-        it over the ranks; raises on every rank when the objective fails on one of them."""
+        """Recompute the reference for the first optimizer's ``reader.params()`` (the model's
+        parameters it steps, then the module's other trainable ones) over the window's
+        micro-batches and sum it over the ranks; raises on every rank when the objective fails
+        on one of them."""
+        candidates = reader.params()
         mine = window.calls_of(candidates)
         wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
         sync = probe_sync(wrapper, ranks)
@@ -166,7 +169,8 @@ class OpenWindow:
             assert sampler is not None
             try:
                 name, fn = resolve(objective, mine[0].module)
-                rec = recompute(mine, candidates, sampler, fn)
+                with reader.replaying():
+                    rec = recompute(mine, candidates, sampler, fn, wrt=reader.wrt())
             except (ValueError, TypeError, RuntimeError) as raised:
                 failure = raised
         counts = rec.counts if rec is not None else []
@@ -203,13 +207,17 @@ class OpenWindow:
         """Compare what ``optimizer`` is about to apply with the reference; ``clips``: every
         clip of the window so far (each multiplies the parameters it lists)."""
         self.window.optimizers.append(optimizer)
+        stepped = reader.params()[: reader.stepped()]  # the model's, for what the engine steps
+        grads = reader.applied()
+        own = reader.clip()  # a clip the engine applied itself (DeepSpeed's gradient_clipping)
+        if own is not None:
+            clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own)]
         self.window.clips.extend(clips)
         done = {i for part in self.parts for i in part.ids}
-        mine = [p for p in trained(optimizer) if id(p) in self._where and id(p) not in done]
+        mine = [p for p in stepped if id(p) in self._where and id(p) not in done]
         label = _label(len(self.window.optimizers), optimizer, mine, self.names)
         part = Part(label, frozenset(id(p) for p in mine))
         self.parts.append(part)
-        grads = reader.applied()
         by_id = {id(p): g for p, g in zip(reader.params(), grads, strict=True)}
         self.dtypes += [g.dtype for g in grads if g is not None]
         count = self.count

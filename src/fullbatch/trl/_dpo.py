@@ -21,13 +21,11 @@ import torch
 from trl import DPOTrainer
 
 from fullbatch.hf import ExactTrainer
-from fullbatch.trl._refuse import bind, common, moe_aux, reference, refuse
+from fullbatch.trl._refuse import common, dpo, moe_aux, reference
 from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactDPOTrainer"]
 
-#: Loss types whose per-pair value depends on the other pairs of the batch (sorted across it).
-_BATCH_COUPLED = {"aot", "aot_unpaired"}
 # Window counts per micro-batch: pairs, chosen tokens, rejected tokens.
 _PAIRS, _CHOSEN, _REJECTED = 0, 1, 2
 # The weight of each TRL metric: what TRL averages it over within one micro-batch.
@@ -57,8 +55,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             ``padding_free``, an enabled MoE router auxiliary loss, a model built from a config
             without ``ref_model=`` (TRL would reload the reference from its empty
             ``_name_or_path``; the message gives the fixes), and what
-            :class:`fullbatch.trl.ExactSFTTrainer` refuses (``compute_loss_func``, DeepSpeed,
-            FSDP, LOMO).
+            :class:`fullbatch.trl.ExactSFTTrainer` refuses.
 
     Example: see ``docs/integrations_trl.md``.
 
@@ -71,29 +68,9 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     fullbatch_route = "fullbatch.trl.ExactDPOTrainer"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = bind(DPOTrainer.__init__, args, kwargs)
+        given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs)
         config = given.get("args")
-        common("ExactDPOTrainer", config, given.get("compute_loss_func"))
-        types = getattr(config, "loss_type", ["sigmoid"]) or ["sigmoid"]
-        types = [types] if isinstance(types, str) else list(types)
-        coupled = sorted(set(types) & _BATCH_COUPLED)
-        refuse(
-            "ExactDPOTrainer",
-            {
-                f"loss_type={coupled}": "these losses sort the pairs of a batch against each "
-                "other, so no sum over micro-batches equals the full batch's; use another "
-                "loss_type or gradient_accumulation_steps=1"
-                if coupled
-                else None,
-                "padding_free=True": "pairs are counted from the padded [chosen; rejected] batch; "
-                "set padding_free=False"
-                if getattr(config, "padding_free", False)
-                else None,
-            },
-        )
-        moe_aux(
-            "ExactDPOTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
-        )
+        dpo(config)
         precompute = getattr(config, "precompute_ref_log_probs", False)
         if given.get("ref_model") is None and not precompute:
             reference(
@@ -132,10 +109,14 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
 
     training_step = offloaded_training_step
 
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """The micro-batch's pairs (its count in :meth:`exact_loss`), before the forward."""
+        return inputs["completion_mask"].shape[0] // 2
+
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """TRL's loss on this micro-batch, weighted to its share of the window's loss; returned
         times the window's pairs, with the micro-batch's pairs as its count."""
-        k = len(self._fb_local) - self._fb_left - 1
+        k = self._fb_window.index if self._fb_window is not None else 0
         totals = self._fb_counts.sum(0)
         pairs, chosen = float(self._fb_local[k, _PAIRS]), float(self._fb_local[k, _CHOSEN])
         shares = [

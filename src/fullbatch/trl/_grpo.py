@@ -25,21 +25,34 @@ advantages, per-token losses and metrics, and changes only the normalization:
   scales kept (the share form: the gradient is already the window's): a window whose objective
   has no items (``dapo``/``cispo`` with no completion token), a non-finite loss or a
   non-finite gradient is skipped as ``fb.Accumulator`` skips it, counted in
-  ``trainer.fb_counters``.
+  ``trainer.fb_counters``;
+- under DeepSpeed (ZeRO 1-3) the scales are the same (DeepSpeed averages over its ranks as DDP
+  does, and the Trainer turns its ``1 / GA`` off); its engine steps inside the last backward,
+  so a window to skip carries a NaN loss, which DeepSpeed's overflow check skips (Accelerate
+  then skips the Trainer's scheduler step too), and the window closes through
+  ``fullbatch._deepspeed.close_engine_window``.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections import deque
 from typing import Any
 
 import torch
 
-from fullbatch._base._normalize import squared_norm
 from fullbatch._base._verdict import WindowCounters, WindowTotals
-from fullbatch._hf_window import KeepSchedule, end_trainer_window
-from fullbatch.trl._grpo_window import SEQUENCE_LOSSES, TOKEN_LOSSES, GRPOWindow
+from fullbatch._deepspeed import close_engine_window, scaled
+from fullbatch._hf_window import (
+    KeepSchedule,
+    end_trainer_window,
+    read_window,
+    summed,
+    wing,
+)
+from fullbatch.trl._grpo_config import check_config
+from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
 from fullbatch.trl._refuse import reference
 
 try:
@@ -48,8 +61,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("fullbatch.trl needs TRL: pip install 'fullbatch[trl]'") from exc
 
 __all__ = ["ExactGRPOTrainer"]
-
-EXACT_LOSSES = SEQUENCE_LOSSES + TOKEN_LOSSES
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -63,42 +74,6 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
-
-
-def _check_config(config: Any) -> None:
-    """Refuse, before anything is built, what ExactGRPOTrainer cannot make exact."""
-    loss_type = getattr(config, "loss_type", None)
-    if loss_type == "bnpo":
-        raise ValueError(
-            "loss_type='bnpo' is defined by TRL as a mean of per-micro-batch token means, so "
-            "it has no full-batch form: it changes with the micro-batch size. Its full-batch "
-            "version is loss_type='dapo' (the window's summed per-token loss over its "
-            "completion tokens); ExactGRPOTrainer refuses 'bnpo' rather than change the "
-            "objective silently. Use GRPOConfig(loss_type='dapo')."
-        )
-    if loss_type not in EXACT_LOSSES:
-        raise ValueError(
-            f"ExactGRPOTrainer makes loss_type in {list(EXACT_LOSSES)} exact; got "
-            f"loss_type={loss_type!r}. Use one of those, or trl.GRPOTrainer for this one."
-        )
-    quantile = getattr(config, "top_entropy_quantile", 1.0)
-    if quantile < 1.0:
-        raise ValueError(
-            f"top_entropy_quantile={quantile} keeps the tokens above an entropy quantile of "
-            "each micro-batch, so the selected tokens change with the micro-batch size: no "
-            "window objective exists. Use top_entropy_quantile=1.0 with ExactGRPOTrainer."
-        )
-    if getattr(config, "deepspeed", None) or getattr(config, "fsdp", None):
-        raise ValueError(
-            "ExactGRPOTrainer is tested on one process and under DDP; DeepSpeed and FSDP "
-            "(deepspeed=, fsdp= in GRPOConfig) scale the loss with their own rules. Train "
-            "with DDP (torchrun, no deepspeed/fsdp), or use trl.GRPOTrainer."
-        )
-    if getattr(config, "n_gpu", 0) > 1:
-        raise ValueError(
-            f"n_gpu={config.n_gpu}: torch.nn.DataParallel over several GPUs averages losses "
-            "per GPU. Launch one process per GPU with torchrun (DDP) instead."
-        )
 
 
 class ExactGRPOTrainer(GRPOTrainer):
@@ -118,8 +93,10 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     Raises:
         ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
-            ``'dapo'``) or another loss type, ``top_entropy_quantile < 1``, DeepSpeed, FSDP,
-            or DataParallel over several GPUs; ``beta != 0`` with a model built from a config
+            ``'dapo'``) or another loss type, ``top_entropy_quantile < 1``, DeepSpeed ZeRO
+            stage 0 (it applies any gradient, and the engine steps inside TRL's backward),
+            what ``fullbatch.hf.ExactTrainer`` refuses (DataParallel, FSDP1, a DeepSpeed clip
+            other than ``max_grad_norm``, ...); ``beta != 0`` with a model built from a config
             (TRL would reload the KL reference from its empty ``_name_or_path``).
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
@@ -139,7 +116,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
         if config is not None:  # None: TRL's default GRPOConfig (dapo), which is accepted
-            _check_config(config)
+            check_config(config)
         if getattr(config, "beta", 0.0):
             reference(
                 "ExactGRPOTrainer",
@@ -226,21 +203,30 @@ class ExactGRPOTrainer(GRPOTrainer):
         losses, self._fb_losses = self._fb_losses, []
         local = torch.cat(losses).sum().reshape(1)
         world = self.accelerator.num_processes
-        # the values are shares of the window objective times `world` (DDP averages gradients)
-        total = self.accelerator.reduce(local, reduction="sum") if world > 1 else local
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        sq = squared_norm(grads, total.device).to(total).reshape(1)
-        loss, sq_total = torch.cat([total / world, sq]).tolist()  # one host sync
-        end_trainer_window(
-            self,
-            model,
-            WindowTotals(
-                loss=loss,
-                count=window.tokens_total if self.loss_type in TOKEN_LOSSES else window.sequences,
-                squared_norm=sq_total,
-                share=True,  # the scales above made each term the window's share
-            ),
+        count = window.tokens_total if self.loss_type in TOKEN_LOSSES else window.sequences
+        # the values are shares of the window objective times `world` (gradients averaged)
+        if self.is_deepspeed_enabled:  # the engine stepped, or skipped a NaN, in the backward
+            engine = self.accelerator.deepspeed_engine_wrapped.engine
+            sums = summed(self)
+            close_engine_window(
+                engine,
+                wing(self),
+                local,
+                sums,
+                count=count,
+                loss_divisor=world,
+                stepped=True,  # Accelerate's backward; its overflow skip holds the scheduler
+            )
+            return
+        values, sq, divisor = read_window(self, model, local)
+        totals = WindowTotals(
+            loss=values[0] / world,
+            count=count,
+            squared_norm=sq,
+            divisor=divisor / world,  # the scales assumed an average over `world` ranks
+            share=True,  # the scales above made each term the window's share
         )
+        end_trainer_window(self, model, totals)
 
     # -- the loss -------------------------------------------------------------------------
 
@@ -295,6 +281,9 @@ class ExactGRPOTrainer(GRPOTrainer):
         stock_policy = value - bonus - router
         # the value: this micro-batch's share of the window objective (gradients are scaled)
         loss = loss + ((policy - 1.0) * stock_policy + (entropy - 1.0) * bonus)
+        if self.is_deepspeed_enabled:  # a window to skip carries NaN: DeepSpeed skips it
+            items = window.tokens_total if self.loss_type in TOKEN_LOSSES else window.sequences
+            loss = scaled(loss, 1.0 if items > 0 else math.nan)
         if self._entropy_bonus_enabled:  # TRL logs policy_loss only with an entropy bonus
             window.policy_share += float(policy * stock_policy)
         self._merge_metrics(window, j, metrics, before)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["SEQUENCE_LOSSES", "TOKEN_LOSSES", "GRPOWindow", "grad_scales"]
+__all__ = ["EXACT_LOSSES", "SEQUENCE_LOSSES", "TOKEN_LOSSES", "GRPOWindow", "grad_scales"]
 
 # loss types whose objective divides by the window's sequences (dr_grpo: times a constant)
 SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo")
 # loss types whose objective divides by the window's completion tokens
 TOKEN_LOSSES = ("dapo", "cispo")
+EXACT_LOSSES = SEQUENCE_LOSSES + TOKEN_LOSSES
 
 # metrics TRL appends once per micro-batch, and how one window's values combine
 _TOKEN_MEANS = ("entropy", "kl")

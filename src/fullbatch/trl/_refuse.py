@@ -12,6 +12,8 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 
+from fullbatch._hf_settings import refuse_args
+
 
 def bind(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The constructor's arguments by name (``init`` is TRL's ``__init__``, unbound)."""
@@ -26,36 +28,14 @@ def refuse(trainer: str, settings: dict[str, str | None]) -> None:
             raise ValueError(f"{trainer} refuses {setting}: {why}")
 
 
-def common(trainer: str, config: Any, compute_loss_func: Any) -> None:
-    """Refusals every fullbatch TRL trainer shares (``config``: the TRL config or None)."""
-    get = (
-        (lambda name, default=None: default)
-        if config is None
-        else (lambda name, default=None: getattr(config, name, default))
-    )
-    optim = str(get("optim", ""))
-    refuse(
-        trainer,
-        {
-            "compute_loss_func": "fullbatch computes the loss sum and count itself; subclass "
-            "and override exact_loss(model, inputs) -> (loss_sum, count) instead"
-            if compute_loss_func is not None
-            else None,
-            f"label_smoothing_factor={get('label_smoothing_factor', 0.0)}": "TRL computes the "
-            "smoothed loss from a second forward pass as a per-micro-batch mean; set it to 0"
-            if get("label_smoothing_factor", 0.0)
-            else None,
-            "deepspeed": "DeepSpeed scales the loss itself; use DDP (torchrun)"
-            if get("deepspeed")
-            else None,
-            "fsdp": "FSDP is not supported by fullbatch's Trainer integrations yet; use DDP"
-            if get("fsdp")
-            else None,
-            f"optim={optim}": "LOMO optimizers backpropagate themselves; use another optimizer"
-            if "lomo" in optim.lower()
-            else None,
-        },
-    )
+def common(trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Refuse what every fullbatch Trainer wing refuses and an enabled MoE router loss, from
+    the arguments of TRL's ``init``; those arguments by name."""
+    given = bind(init, args, kwargs)
+    config = given.get("args")
+    refuse_args(trainer, config, compute_loss_func=given.get("compute_loss_func"))
+    moe_aux(trainer, given.get("model"), getattr(config, "router_aux_loss_coef", None))
+    return given
 
 
 def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
@@ -96,4 +76,29 @@ def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:
         f"{trainer}: TRL builds the reference model by reloading "
         f"model.config._name_or_path, which is empty for {type(model).__name__} built from a "
         f"config (not from_pretrained), so it cannot. {fix}"
+    )
+
+
+#: DPO loss types whose per-pair value depends on the other pairs of the batch (sorted across it).
+_BATCH_COUPLED = {"aot", "aot_unpaired"}
+
+
+def dpo(config: Any) -> None:
+    """Refuse, before anything is built, DPO settings with no full-batch form."""
+    types = getattr(config, "loss_type", ["sigmoid"]) or ["sigmoid"]
+    types = [types] if isinstance(types, str) else list(types)
+    coupled = sorted(set(types) & _BATCH_COUPLED)
+    refuse(
+        "ExactDPOTrainer",
+        {
+            f"loss_type={coupled}": "these losses sort the pairs of a batch against each "
+            "other, so no sum over micro-batches equals the full batch's; use another "
+            "loss_type or gradient_accumulation_steps=1"
+            if coupled
+            else None,
+            "padding_free=True": "pairs are counted from the padded [chosen; rejected] batch; "
+            "set padding_free=False"
+            if getattr(config, "padding_free", False)
+            else None,
+        },
     )

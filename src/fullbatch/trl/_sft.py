@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from fullbatch.hf import ExactTrainer
-from fullbatch.trl._refuse import bind, common, moe_aux
+from fullbatch.hf import ExactTrainer, target_count
+from fullbatch.trl._refuse import common, moe_aux
 from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactSFTTrainer"]
@@ -39,9 +39,9 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
 
     Raises:
         ValueError: before anything changes, settings that cannot be exact, each with the
-            reason: ``compute_loss_func``, ``label_smoothing_factor``, an enabled MoE router
-            auxiliary loss, DeepSpeed, FSDP, LOMO; after ``SFTTrainer`` set up, what
-            :class:`fullbatch.hf.ExactTrainer` refuses (DataParallel, tensor parallelism).
+            reason: an enabled MoE router auxiliary loss and what
+            :class:`fullbatch.hf.ExactTrainer` refuses (``compute_loss_func``, a DeepSpeed
+            config that cannot be exact, FSDP1, LOMO, ...).
 
     Example (tiny Llama, character tokenizer; the check proves the step exact):
 
@@ -67,12 +67,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     fullbatch_route = "fullbatch.trl.ExactSFTTrainer"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = bind(SFTTrainer.__init__, args, kwargs)
-        config = given.get("args")
-        common("ExactSFTTrainer", config, given.get("compute_loss_func"))
-        moe_aux(
-            "ExactSFTTrainer", given.get("model"), getattr(config, "router_aux_loss_coef", None)
-        )
+        common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs)
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:  # a model loaded by name, now known
             moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
@@ -103,6 +98,10 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         entropy = outputs.entropy.detach().sum()
         self._fb_stats = [entropy, outputs.is_top1.sum(), tokens]
         return per_token.sum(), mask.sum()
+
+    def exact_count(self, inputs: dict[str, Any]) -> Any:
+        """What TRL's fused head counts, before the forward: the causal targets."""
+        return target_count(inputs, "causal_lm")
 
     def _micro_stats(self) -> list[torch.Tensor]:
         stats, self._fb_stats = self._fb_stats, []

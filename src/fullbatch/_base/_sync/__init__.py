@@ -1,7 +1,7 @@
 """Everything that talks to ``torch.distributed``: the only package that imports it.
 
 - ``_base``: :class:`Sync`, the no-op kind for local training, bucketed sums, and
-  ``all_reduce_over`` for integrations whose framework owns the group;
+  ``all_reduce_over`` / ``sum_over_ranks`` for integrations whose framework owns the group;
 - ``_ddp``: DDP (``ddp_sync="last"`` or ``"step"``);
 - ``_fsdp``: FSDP2 over a 1-D mesh or a 2-D (replicate, shard) HSDP mesh
   (``fsdp_sync="window"``, ``"micro_batch"``, ``"hybrid"``);
@@ -12,7 +12,7 @@
   module, the ranks of a probed window).
 """
 
-from fullbatch._base._sync._base import Sync, all_reduce_over
+from fullbatch._base._sync._base import Sync, all_reduce_over, sum_over_ranks
 from fullbatch._base._sync._make import DdpSync, FsdpSync, SyncPlan
 
-__all__ = ["DdpSync", "FsdpSync", "Sync", "SyncPlan", "all_reduce_over"]
+__all__ = ["DdpSync", "FsdpSync", "Sync", "SyncPlan", "all_reduce_over", "sum_over_ranks"]

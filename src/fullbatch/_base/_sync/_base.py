@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Sync", "all_reduce_over", "sum_tensors"]
+__all__ = ["Sync", "all_reduce_over", "sum_over_ranks", "sum_tensors"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -231,3 +231,13 @@ def all_reduce_over(tensor: torch.Tensor, group: Any = None) -> int:
     """
     dist.all_reduce(tensor, group=group)
     return dist.get_world_size(group)
+
+
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed in place over the default group when one is initialized; returned.
+
+    For a framework that sets the group up itself (DeepSpeed); one process may have none.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor

@@ -26,7 +26,15 @@ from torch import nn
 
 from fullbatch._base._sync._base import Sync
 
-__all__ = ["FSDP_SYNC_MODES", "FSDPSync", "FsdpSync", "fsdp_mesh", "is_fsdp"]
+__all__ = [
+    "FSDP_SYNC_MODES",
+    "FSDPSync",
+    "FsdpSync",
+    "fsdp_divisor",
+    "fsdp_mesh",
+    "is_fsdp",
+    "unsharded_params",
+]
 
 FsdpSync = Literal["window", "micro_batch", "hybrid"]
 FSDP_SYNC_MODES: tuple[str, ...] = get_args(FsdpSync)
@@ -67,6 +75,21 @@ def _param_groups(model: nn.Module) -> list[Any]:
     return groups
 
 
+def unsharded_params(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The tensor FSDP2's forward uses for each sharded parameter of ``model`` (by the id of
+    the sharded ``DTensor`` parameter): its unsharded parameter, kept by FSDP2 from the first
+    all-gather on (its storage freed between forwards and gathered again for each), so that
+    ``torch.autograd.grad`` of a forward's loss with respect to it is this rank's whole
+    gradient, before any reduce-scatter. Parameters not yet gathered are left out."""
+    out: dict[int, nn.Parameter] = {}
+    for group in _param_groups(model):
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                out[id(fsdp_param.sharded_param)] = unsharded
+    return out
+
+
 def _divide_factor(model: nn.Module, default: float) -> float:
     """What FSDP2 divides the summed gradients by: ``set_gradient_divide_factor`` or default."""
     factors = {getattr(g, "gradient_divide_factor", None) for g in _param_groups(model)}
@@ -79,6 +102,20 @@ def _divide_factor(model: nn.Module, default: float) -> float:
         )
     factor = factors.pop() if factors else None
     return float(default if factor is None else factor)
+
+
+def fsdp_divisor(
+    model: nn.Module, divisor: float | None = None, mesh: Any = None
+) -> tuple[float, float]:
+    """``(what FSDP2 divides the summed gradient by, ranks holding each gradient shard)``.
+
+    FSDP2 averages over shard x replicate ranks unless ``set_gradient_divide_factor`` says
+    otherwise (``divisor``, when given, wins); HSDP's replicas each hold the same shard.
+    """
+    mesh = mesh if mesh is not None else fsdp_mesh(model)
+    shards = mesh.size(mesh.ndim - 1)
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    return float(divisor or _divide_factor(model, shards * replicas)), float(replicas)
 
 
 def _mesh_group(mesh: Any) -> Any:
@@ -119,11 +156,7 @@ class FSDPSync(Sync):
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if self.hsdp else None
         self.group = mesh.get_group() if not self.hsdp else _mesh_group(mesh)
-        shards = dist.get_world_size(self.shard_group)
-        replicas = dist.get_world_size(self.replicate_group) if self.hsdp else 1
-        # FSDP2 averages over shard x replicate unless set_gradient_divide_factor says else.
-        self.divisor = float(divisor or _divide_factor(model, shards * replicas))
-        self.norm_copies = float(replicas)
+        self.divisor, self.norm_copies = fsdp_divisor(model, divisor, mesh)
 
     def held_grads(self) -> str | None:
         if self.mode == "micro_batch":

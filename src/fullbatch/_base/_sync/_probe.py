@@ -3,8 +3,9 @@ ranks whose micro-batches make one probed window.
 
 The probe (``fullbatch._probe``) never imports ``torch.distributed`` itself: it asks here whether
 a module is a DDP wrapper (transparent: its inner module is what runs), an engine that keeps
-gradients outside ``.grad`` (refused by name), and for the :class:`Sync` whose collectives sum
-the window over its ranks.
+gradients outside ``.grad`` and that no reader of the probe reads (refused by name: FSDP1,
+ColossalAI; DeepSpeed and FSDP2 have their own readers), and for the :class:`Sync` whose
+collectives sum the window over its ranks.
 """
 
 from __future__ import annotations
@@ -16,17 +17,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync, sum_tensors
-from fullbatch._base._sync._fsdp import is_fsdp
+from fullbatch._base._sync._fsdp import is_fsdp, unsharded_params
 
-__all__ = ["default_rank", "is_ddp", "probe_sync", "sum_tensors", "unsupported_wrapper"]
+__all__ = [
+    "default_rank",
+    "is_ddp",
+    "is_fsdp",
+    "probe_sync",
+    "sum_tensors",
+    "unsharded_params",
+    "unsupported_wrapper",
+]
 
-# Engines whose gradients are not the parameters' ``.grad`` when ``step()`` is called, by the
-# class name of their model wrapper (none of them is imported here).
+# Engines whose gradients are not the parameters' ``.grad`` when ``step()`` is called and that
+# no reader of the probe reads, by the class name of their model wrapper (none is imported here).
 _OUTSIDE_GRAD = {
     "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel) keeps gradients in flat "
     "parameters, not in each parameter's .grad",
-    "DeepSpeedEngine": "DeepSpeed keeps gradients in its own buffers (ZeRO partitions), not in "
-    "each parameter's .grad",
     "GeminiDDP": "ColossalAI Gemini keeps gradients in its chunks, not in each parameter's .grad",
     "LowLevelZeroModel": "ColossalAI ZeRO keeps gradients in its own buckets, not in each "
     "parameter's .grad",
@@ -48,11 +55,6 @@ def unsupported_wrapper(module: nn.Module) -> str | None:
     >>> unsupported_wrapper(nn.Linear(1, 1)) is None
     True
     """
-    if is_fsdp(module):  # read from sys.modules: no FSDPModule before torch 2.6
-        return (
-            "FSDP2 (fully_shard) shards gradients as DTensors and reduce-scatters them in "
-            "backward hooks, which the probe's own backward would trigger"
-        )
     for cls in type(module).__mro__:
         if cls.__name__ in _OUTSIDE_GRAD:
             return _OUTSIDE_GRAD[cls.__name__]

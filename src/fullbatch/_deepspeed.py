@@ -1,0 +1,210 @@
+"""What every DeepSpeed route shares: what cannot be exact, the scale up front, the close.
+
+A DeepSpeed engine divides each loss by ``gradient_accumulation_steps`` in ``engine.backward``,
+averages gradients over its ``W`` data-parallel ranks and, at ZeRO 2/3, reduces and partitions
+each gradient during backward: no factor can be applied after the window. Every fullbatch route
+on DeepSpeed (``fullbatch.deepspeed.ExactEngine``, the Hugging Face Trainer and TRL wings)
+therefore counts the window before its first forward and backpropagates
+``loss_sum · W / N`` with ``scale_wrt_gas=False`` (:func:`window_scale`, :func:`scaled`), and
+ends the window with :func:`close_engine_window`:
+
+- ZeRO 1-3: ``engine.step()``. A window the verdict skips carries a NaN gradient (its scale is
+  NaN: no items, or a non-finite loss), which DeepSpeed's overflow check skips: parameters,
+  optimizer state and LR schedule untouched. The norm is DeepSpeed's, before its clip.
+- ZeRO stage 0: gradients stay in ``.grad`` and DeepSpeed applies whatever they hold, so the
+  norm is read there first and a window the verdict skips is cleared (``engine.zero_grad()``)
+  instead of stepped.
+
+:func:`refusal` names the configurations no scale can make exact.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fullbatch._base._close import Wing, close_window, read_totals
+from fullbatch._base._verdict import Verdict, WindowTotals
+
+__all__ = [
+    "OFFLOAD_FIXED",
+    "check_engine",
+    "close_engine_window",
+    "refusal",
+    "scaled",
+    "window_scale",
+]
+
+#: the first deepspeed release whose ZeRO-2 ``offload_optimizer`` accumulates every backward
+#: of a step: before it, with ``gradient_accumulation_steps > 1`` only the first micro-batch's
+#: gradient was kept (a regression of DeepSpeed #6550, fixed by #7967), and with several
+#: backward calls at ``gradient_accumulation_steps=1`` only the last (fixed by #7981); both
+#: fixes precede the 0.19.0 release (#7996 bumped the version after it). ZeRO-1 reduces once per
+#: step and was exact on 0.17.0 (``benchmarks/deepspeed_offload_matrix.py``).
+OFFLOAD_FIXED = (0, 19, 0)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def installed_version() -> str:
+    """deepspeed's version: the imported module's (an engine exists), else the installed one."""
+    module = sys.modules.get("deepspeed")
+    return str(getattr(module, "__version__", "")) or importlib.metadata.version("deepspeed")
+
+
+def refusal(
+    *,
+    stage: int,
+    offload: bool,
+    micro_batches: int,
+    version: str,
+    moe: bool = False,
+    sequence_parallel: bool = False,
+    half: bool = False,
+) -> str | None:
+    """Why a DeepSpeed configuration's step cannot be made exact, or ``None``.
+
+    >>> refusal(stage=2, offload=True, micro_batches=4, version="0.17.0")[:40]
+    'deepspeed 0.17.0 with ZeRO-2 offload_opt'
+    >>> refusal(stage=1, offload=True, micro_batches=4, version="0.17.0") is None
+    True
+    """
+    if moe:
+        return (
+            "the model has DeepSpeed MoE layers, whose expert gradients are averaged over the "
+            "expert-data-parallel group, not the data-parallel ranks fullbatch counts over"
+        )
+    if sequence_parallel:
+        return (
+            "sequence parallelism divides gradients by another group than the data-parallel "
+            "ranks; train with sequence_parallel_size=1"
+        )
+    if stage == 0 and half:
+        return (
+            "at ZeRO stage 0, fp16/bf16 gradients live in DeepSpeed's own mixed-precision "
+            "optimizer; use ZeRO stage 1-3 (or fp32)"
+        )
+    if stage == 2 and offload and micro_batches > 1 and _version(version) < OFFLOAD_FIXED:
+        return (
+            f"deepspeed {version} with ZeRO-2 offload_optimizer keeps only one backward's "
+            "gradient of every window (DeepSpeed #6550's regression, fixed by #7967 and #7981 "
+            "before 0.19.0): upgrade deepspeed, or use ZeRO-1 or ZeRO-3 offload, or drop "
+            "offload_optimizer, or use one micro-batch per step"
+        )
+    return None
+
+
+def check_engine(engine: Any, micro_batches: int, version: str | None = None) -> None:
+    """Raise ``ValueError`` for an engine whose step cannot be made exact (:func:`refusal`).
+
+    ``micro_batches``: backward calls per optimizer step; ``version``: deepspeed's (default:
+    the installed one).
+    """
+    why = refusal(
+        stage=int(engine.zero_optimization_stage()),
+        offload=bool(engine.zero_use_cpu_optimizer()),  # offload_optimizer: cpu or nvme
+        micro_batches=micro_batches,
+        version=installed_version() if version is None else version,
+        moe=bool(getattr(engine, "has_moe_layers", False)),
+        sequence_parallel=getattr(engine, "seq_dp_world_size", engine.dp_world_size)
+        != engine.dp_world_size,
+        half=bool(engine.fp16_enabled() or engine.bfloat16_enabled()),
+    )
+    if why is not None:
+        raise ValueError(f"fullbatch cannot make this DeepSpeed step exact: {why}.")
+
+
+def window_scale(
+    counts: list[float],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    world: int,
+    device: Any,
+) -> tuple[float, float]:
+    """``(N, W / N)``: ``counts`` (this rank's micro-batches) summed over the ranks by
+    ``reduce`` (``None`` on one process); the scale is NaN when ``N = 0`` (a skip).
+
+    >>> window_scale([3, 5], None, 2, "cpu")
+    (8.0, 0.25)
+    """
+    total = torch.tensor([float(sum(counts))], dtype=torch.float64).to(device)
+    if reduce is not None:
+        total = reduce(total)
+    n = float(total[0])
+    return n, (world / n if n > 0 else math.nan)
+
+
+def scaled(loss_sum: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss_sum · scale``, or NaN times it when the loss is not finite (DeepSpeed skips).
+
+    >>> scaled(torch.tensor(float("inf")), 0.5).isnan().item()
+    True
+    """
+    loss = loss_sum.detach()
+    factor = torch.where(torch.isfinite(loss), scale, math.nan).to(loss_sum.dtype)
+    return loss_sum * factor
+
+
+def close_engine_window(
+    engine: Any,
+    wing: Wing,
+    local: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    *,
+    count: float,
+    loss_divisor: float,
+    stepped: bool = False,
+    ran: bool = True,
+    skip: Callable[[Verdict], None] | None = None,
+) -> tuple[Verdict, list[float]]:
+    """Step the engine (or clear a skipped stage-0 window) and close the window.
+
+    ``local``: this rank's float64 window sums, the loss sum first; ``reduce`` sums them over
+    the ranks. ``count``: the window's ``N`` (all ranks); ``loss_divisor``: what the summed
+    loss is divided by to give the window's loss (``N``, or ``W`` for shares). ``stepped``:
+    Accelerate's backward has stepped the engine already (ZeRO 1-3 only); ``ran``: a backward
+    ran (a window without items may run none); ``skip``: what the wing's framework needs on a
+    skip besides DeepSpeed's (the Trainer steps its LR scheduler regardless). Returns the
+    verdict and the reduced sums.
+    """
+    stage0 = int(engine.zero_optimization_stage()) == 0
+    if stage0 and stepped:
+        raise RuntimeError("a ZeRO stage 0 engine was stepped before the window's verdict.")
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None] if stage0 else []
+    *values, sq = read_totals(local, grads, reduce)
+    applied = False
+    if ran and not stage0:
+        if not stepped:
+            engine.step()
+        applied = bool(engine.was_step_applied())
+        norm = engine.get_global_grad_norm()
+        sq = math.inf if norm is None else float(norm) ** 2
+    elif ran and count > 0 and math.isfinite(sq) and math.isfinite(values[0]):
+        engine.step()
+        applied = True
+    elif ran:  # stage 0: DeepSpeed would apply a non-finite gradient
+        engine.zero_grad()
+    totals = WindowTotals(
+        loss=values[0] / loss_divisor if count > 0 else 0.0,
+        count=count,
+        squared_norm=sq,
+        share=True,  # the losses were scaled to the window's share before backward
+    )
+    verdict = close_window(totals, wing, skip=skip)
+    if ran and verdict.skipped == applied:
+        raise RuntimeError(
+            f"DeepSpeed {'applied' if applied else 'skipped'} a step that fullbatch's verdict "
+            f"{'skips' if verdict.skipped else 'takes'} ({verdict.reason}); please report this "
+            "with your DeepSpeed config."
+        )
+    return verdict, values
