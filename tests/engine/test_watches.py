@@ -37,9 +37,12 @@ def _micro_batches(k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 def test_one_time_checks_drop_out_after_the_first_window() -> None:
     model = make_lm()
     acc = fb.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=3)
-    assert _names(acc) == [*STEADY, "LabelCheck", "LoaderChecks"]
+    assert _names(acc) == [
+        "LoopGuard", "SameLossTwice", "ScaledLossWatch", "LearningRateWatch", "LabelCheck",
+        "LoaderChecks",
+    ]  # fmt: skip
     _train(acc, model, _micro_batches(3))
-    assert _names(acc) == [*STEADY, "LoaderChecks"]  # the label check ran its two calls
+    assert _names(acc) == [*STEADY, "LoaderChecks"]  # the label and scale checks ran two calls
     _train(acc, model, _micro_batches(3, seed=5))  # a second acc.windows(): window 0 again
     assert _names(acc) == STEADY  # the loader's items were looked at in one whole window
     assert acc._engine.watches.at("on_micro_batch") == ()  # nothing left per yielded item

@@ -3,10 +3,10 @@
 Each check is a :class:`~fullbatch._engine._watch.Watch` in a module of its own family; this
 module only says which ones an Accumulator needs and in which order they run at each point
 (the first to raise names the mistake). A new check is a class implementing ``Watch`` and one
-line here. The one-time checks (labels, the DDP route, the loader's items, packing) drop out
-of the list once they ran: a steady-state micro-batch meets only the loop guard's sentinel,
-the same-loss check, the scaled-loss check (with ``scaler=``: the scale's identity, a few
-autograd nodes) and, without ``scheduler=``, the learning-rate check
+line here. The one-time checks (labels, a loss scaled by a GradScaler, the DDP route, the
+loader's items, packing) drop out of the list once they ran: a steady-state micro-batch meets
+only the loop guard's sentinel, the same-loss check and, without ``scheduler=``, the
+learning-rate check
 (``python benchmarks/watch_cost.py`` measures each).
 """
 

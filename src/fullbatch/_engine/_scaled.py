@@ -10,9 +10,10 @@ loss's device), a multiplication whose saved ``other`` is a 0-dim tensor without
 :func:`scaled_by` walks the first :data:`_NODES` nodes of the graph (through ``/ n``,
 ``.sum()``, views) for such a multiplication. A factor that is the given scaler's scale is
 identified by identity; another 0-dim factor is looked up among the objects that hold it
-(``gc.get_referrers``, a few milliseconds), at most :data:`LOOKUPS` times per Accumulator: a
-GradScaler recipe shows in every micro-batch, so the first backward calls tell. A factor of
-another origin (a weight tensor, a temperature) passes.
+(``gc.get_referrers``, a few milliseconds). A GradScaler recipe shows in every micro-batch, so
+:class:`ScaledLossWatch` looks at the Accumulator's first :data:`CHECKS` backward calls and then
+drops out of the engine's watch list. A factor of another origin (a weight tensor, a
+temperature) passes.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import torch
 from fullbatch._engine._state import WindowState
 from fullbatch._engine._watch import Watch
 
-__all__ = ["LOOKUPS", "ScaledLossWatch", "scaled_by"]
+__all__ = ["CHECKS", "LOOKUPS", "ScaledLossWatch", "scaled_by"]
 
 #: Autograd nodes looked at from the loss's root (``scaler.scale(x) / n`` is two deep).
 _NODES = 8
 #: Factors of unknown origin looked up among their referrers, per Accumulator.
 LOOKUPS = 4
+#: Backward calls looked at, per Accumulator (the recipe shows in each one).
+CHECKS = 2
 
 
 def _factors(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -93,23 +96,23 @@ def scaled_by(loss: torch.Tensor, given: Any, lookups: int) -> tuple[Any, int]:
 
 
 class ScaledLossWatch(Watch):
-    """Per Accumulator: refuses a scaled loss (see the module docstring) before its backward.
-
-    ``scaler``: the enabled GradScaler given to the Accumulator, or None. Without one, the
-    watch drops out once its :data:`LOOKUPS` are spent (a recipe shows in the first calls).
-    """
+    """Per Accumulator: refuses a scaled loss (see the module docstring) before its backward,
+    in the first :data:`CHECKS` backward calls. ``scaler``: the enabled GradScaler given to the
+    Accumulator, or None."""
 
     def __init__(self, scaler: Any) -> None:
         self._given = scaler
         self._lookups = LOOKUPS
+        self._left = CHECKS
 
     def before_backward(self, state: WindowState, loss: torch.Tensor, count: Any) -> bool | None:
         if loss.grad_fn is None:
             return None
         scaler, self._lookups = scaled_by(loss, self._given, self._lookups)
-        if scaler is None:
-            return self._given is None and self._lookups == 0
-        raise _error(scaler, scaler is self._given, state.index)
+        if scaler is not None:
+            raise _error(scaler, scaler is self._given, state.index)
+        self._left -= 1
+        return self._left <= 0
 
 
 def _error(scaler: Any, given: bool, window: int) -> ValueError:
