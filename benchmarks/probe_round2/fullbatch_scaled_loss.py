@@ -1,4 +1,4 @@
-"""fullbatch's own loop with AMP's hand recipe carried over: window.backward(scaler.scale(loss_sum), n)."""
+"""fullbatch's own loop, AMP's hand recipe carried over: window.backward(scaler.scale(loss), n)."""
 
 import torch
 
