@@ -165,7 +165,7 @@ def reports(out: str) -> str:
 
 def lines_tail(out: str) -> str:
     last = [line for line in out.splitlines() if line.strip()]
-    return last[-1][:90] if last else ""
+    return last[-1][:70] if last else ""
 
 
 SAMPLE = ["--objective", "sample"]
@@ -280,7 +280,7 @@ def measure(row: Row, script: str, args: list[str]) -> dict[str, Any]:
     windows = [r for r in records if r["steps"] == row.steps][: row.windows]
     if row.truth is None or not windows:
         why = f"{type(failure).__name__}: {failure}" if failure is not None else "no step"
-        return {"error": None, "why": why.splitlines()[0][:80]}
+        return {"error": None, "why": why.splitlines()[0][:60]}
     model = g[row.model]
     model = getattr(model, "module", model)
     errors = []
@@ -338,10 +338,19 @@ def probe(row: Row) -> tuple[str, str, int, str]:
     pattern = "right" if verdict == "RIGHT" else ""
     for line in out.stdout.splitlines():
         text_line = line.strip()
-        if not pattern and line.startswith("  "):
+        one = re.match(
+            r"(optimizer \d+) \((\w+): .*\): WRONG, (.+?) \(.*factor ([0-9.]+)", text_line
+        )
+        if pattern or not line.startswith("  "):
+            continue
+        if one is not None:  # a mistake confined to one optimizer's parameters
+            pattern = f"{one.group(1)} ({one.group(2)}): {one.group(3)} (factor {one.group(4)})"
+        elif text_line.startswith("the loss differs"):
+            pattern = "loss differs"
+        else:
             pattern = next((p for p in PATTERNS if text_line.startswith(p)), "")
     factor = re.search(r"factor on the full-batch gradient: ([0-9.]+)", out.stdout)
-    if verdict == "WRONG" and factor is not None and pattern != "mean of per-micro-batch means":
+    if verdict == "WRONG" and factor is not None and pattern in PATTERNS[1:]:
         pattern += f" (factor {factor.group(1)})"
     if verdict not in ("RIGHT", "WRONG"):
         pattern = head.split(" (")[0].removeprefix("fullbatch probe: ") if head else ""

@@ -17,7 +17,7 @@ torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.GELU(), torch.nn.Linear(64, 7))
 model = DDP(net)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-sizes = {0: (3, 8, 5, 2) * 3, 1: (6, 1, 7, 4) * 3}  # rows per micro-batch on each rank
+sizes = {0: (3, 8, 5, 2) * 3, 1: (6, 1, 7, 9) * 3}  # rows per micro-batch on each rank
 data = {r: [(torch.randn(n, 12), torch.randint(7, (n,))) for n in sizes[r]] for r in range(world)}
 loader = data[rank]
 K = 4
