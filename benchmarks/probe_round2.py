@@ -28,6 +28,25 @@ cross-entropy): the script accumulates its own smoothed loss exactly, and the pr
 is that the loss is not the declared one. The TRL rows run with ``max_grad_norm=0``: at TRL's
 default clip of 1.0 these first steps are clipped, and a clip rescales the whole update, hiding
 a uniform factor from the update (never from the probe, which compares before the clip).
+
+Each row's test (the wrong form flagged and named, the right form silent), in ``tests/``:
+bf16 mean of means: probe/test_probe_judgement.py::test_bfloat16_parameters_mean_of_means_*;
+TRL bf16 x0.993: test_probe_judgement.py::test_autocast_float32_gradient_weighted_0993_*
+(stock TRL: probe/test_probe_trl.py); float32 x0.97: test_float32_weights_097_are_named_*;
+no zero_grad: probe/test_probe_windows.py::test_a_missing_zero_grad_is_caught_at_the_default_*
+and probe/test_probe_cli.py::test_missing_zero_grad_exits_1_*; two optimizers:
+probe/test_probe_optimizers.py (doubled; right, one window each step); validation forward:
+probe/test_probe_micro_batches.py::test_a_validation_forward_with_gradients_is_no_micro_batch;
+imported clip: test_probe_judgement.py::test_clip_grad_norm_imported_before_the_probe_is_seen;
+label smoothing: test_probe_judgement.py::test_label_smoothing_is_a_different_loss_*; off-by-one:
+test_probe_judgement.py::test_off_by_one_first_window_is_a_partial_window_*; per-rank count:
+probe/test_probe_ddp.py::test_each_rank_dividing_by_its_own_count_is_named_on_every_rank; global
+y and the book's loop: probe/test_probe_micro_batch.py (top level, book loop); Composer:
+test_probe_micro_batch.py::test_composer_huggingface_model_objective_inferred_through_model;
+never steps, --keep-training: test_probe_cli.py (exits 3; the script's later failure); one
+report: probe/test_probe_torchrun.py; hooks: probe/test_probe_changes_nothing.py::
+test_hooks_are_gone_right_after_the_last_probed_window; scaled loss:
+mistakes/test_scaled_loss.py; weighted count: probe/test_probe_weighted_loss.py.
 """
 
 from __future__ import annotations
