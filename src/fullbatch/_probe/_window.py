@@ -33,7 +33,7 @@ from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
-from fullbatch._probe._sample import Sampler
+from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._proof._norms import squared
 
 __all__ = ["OpenWindow", "Part", "WindowData", "trained"]
@@ -198,7 +198,7 @@ class OpenWindow:
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
             start = 0
             for p, index in zip(sampler.params, sampler.index, strict=True):
-                n = p.numel() if index is None else index.numel()
+                n = whole_shape(p).numel() if index is None else index.numel()
                 out._spans[id(p)] = (start, start + n)
                 start += n
         return out
