@@ -158,10 +158,11 @@ def _engine(kind: str, stage: int, offload: bool, world: int) -> tuple[Any, Any]
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         return engine, None
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
 
     AcceleratorState._reset_state(True)
+    GradientState._reset_state()  # the Trainer rows' accumulation state is not this engine's
     accelerator = Accelerator(
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=K
     )
