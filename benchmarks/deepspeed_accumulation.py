@@ -34,6 +34,7 @@ import datetime
 import hashlib
 import multiprocessing as mp
 import os
+import queue
 import sys
 import tempfile
 import traceback
@@ -157,10 +158,11 @@ def _engine(kind: str, stage: int, offload: bool, world: int) -> tuple[Any, Any]
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         return engine, None
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
 
     AcceleratorState._reset_state(True)
+    GradientState._reset_state()  # the Trainer rows' accumulation state is not this engine's
     accelerator = Accelerator(
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=K
     )
@@ -432,7 +434,19 @@ def _run(world: int, engines: list[str]) -> list[Any]:
         ]
         for p in procs:
             p.start()
-        rows = out.get(timeout=3000)
+        rows = None
+        while rows is None:  # a rank that died (a gloo abort) sends nothing: say so, never hang
+            try:
+                rows = out.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(
+                        f"rank(s) {dead} of {world} died (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}); their stderr says why"
+                    ) from None
         for p in procs:
             p.join()
     return rows
