@@ -202,17 +202,21 @@ class Probe:
                 return
         self._guarded(lambda: self._begin(optimizer), optimizer)
 
-    def _guarded(self, run: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Run a part of the check with recording paused; an error stops the probe."""
+    def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None) -> Any:
+        """``run()`` with recording paused; an error stops the probe."""
         self._capture.paused = True
         try:
-            run()
+            return run()
         except BaseException as error:
             self.failed = error
             self._finish(optimizer)
             raise
         finally:
             self._capture.paused = False
+
+    def _guarded(self, run: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Run a part of the check (paused); close the window once every parameter was read."""
+        self._paused(run, optimizer)
         if self._open is not None and self._open.complete:
             self._close(optimizer)
 
@@ -276,15 +280,7 @@ class Probe:
         asked to)."""
         assert self._open is not None
         open_window, self._open = self._open, None
-        self._capture.paused = True
-        try:
-            self._measured.append(close(open_window))
-        except BaseException as error:
-            self.failed = error
-            self._finish(optimizer)
-            raise
-        finally:
-            self._capture.paused = False
+        self._measured.append(self._paused(lambda: close(open_window), optimizer))
         if self.limit is not None and len(self._measured) >= self.limit:
             self._finish(optimizer)
             if self.stop and stopping:
