@@ -254,8 +254,9 @@ class Probe:
         None (said, and the probe stopped). ``extra``: the reference also differentiates the
         trainable parameters of the module that ran that no optimizer trains (the weight fit's,
         not compared)."""
-        mine = window.calls_of(params) or window.calls  # DeepSpeed ZeRO steps flat partitions
-        modules = tuple({id(c.module): c.module for c in mine}.values())
+        mine = window.calls_of(params)
+        ran = mine or window.calls  # DeepSpeed ZeRO steps flat partitions of no module
+        modules = tuple({id(c.module): c.module for c in ran}.values())
         others: list[nn.Parameter] = []
         if extra and mine:
             ids = {id(p) for p in params}
