@@ -23,7 +23,6 @@ writes no ``.grad``, and the graph stays whole for the engine's own backward.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +32,9 @@ from torch import nn
 
 from fullbatch._probe._call_loss import on_output
 from fullbatch._probe._capture import Call
-from fullbatch._probe._reference import add_into
-from fullbatch._probe._replay import Grads, grads_of
+from fullbatch._probe._reference import LocalReference, add_into
+from fullbatch._probe._replay import grads_of
 from fullbatch._probe._sample import Sampler
-from fullbatch._proof._norms import squared
 from fullbatch._proof._objective import OBJECTIVES, infer_objective
 
 __all__ = ["EarlyReference", "Taken", "plain"]
@@ -64,29 +62,22 @@ def plain(module: nn.Module) -> bool:
     )
 
 
-@dataclass
-class Taken:
+@dataclass(kw_only=True)
+class Taken(LocalReference):
     """One module's micro-batches of the current window, differentiated at their forwards.
 
     Attributes:
-        params: the parameters differentiated (the sampler's: the module's trainable ones).
-        ref: ``Σ_k ∇S_k`` in ``params``' order (None: no gradient yet).
-        samples, counts: each call's sampled ``∇S_k`` and item count, in call order.
+        params: the parameters differentiated (the sampler's: the module's trainable ones);
+            ``ref`` is in their order, ``samples`` and ``counts`` in call order (the
+            :class:`~fullbatch._probe._reference.LocalReference` fields, band included).
         calls: the ids of the calls taken, in order (a window is served only when they are its
             calls; ids, not the calls, so that no cycle keeps the gradients alive after the
             window: a call holds its ``Taken``, and the capture holds the calls until then).
-        band, band_count, delta: the band run's (see :mod:`fullbatch._probe._reference`).
         broken: a call could not be taken: the window is replayed.
     """
 
     params: list[nn.Parameter]
-    ref: Grads
-    samples: list[torch.Tensor] = field(default_factory=list)
-    counts: list[float] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
-    band: float = 0.0
-    band_count: float = 0.0
-    delta: torch.Tensor | None = None
     broken: bool = False
 
     def serves(self, calls: list[Call]) -> bool:
@@ -147,7 +138,7 @@ class EarlyReference:
         taken = self._taken.get(id(module))
         if taken is None:
             params = self._sampler_for(module).params
-            taken = self._taken[id(module)] = Taken(params, [None] * len(params))
+            taken = self._taken[id(module)] = Taken(params=params, ref=[None] * len(params))
         if taken.broken:
             return
         try:
@@ -168,11 +159,7 @@ class EarlyReference:
             if taken.delta is None and count > 0:
                 divisor = 3.0 * count * self._k_hint  # like 1 / N: no power of two
                 again = grads_of(loss_sum / divisor, taken.params, retain=True)
-                taken.band = math.sqrt(squared(again, grads, scale=divisor))
-                delta = sampler.take(again) * divisor - sample
-                size = float(sample.norm())
-                taken.delta = delta / size if size > 0 else delta * 0
-                taken.band_count = count
+                taken.note_band(grads, again, sample, sampler.take(again), divisor, count)
                 del again
         add_into(taken.ref, grads)
         taken.samples.append(sample)

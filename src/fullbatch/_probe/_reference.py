@@ -61,6 +61,19 @@ class LocalReference:
     delta: torch.Tensor | None = None
     band_rows_reversed: bool = False
 
+    def note_band(
+        self, grads: Grads, again: Grads, sample: torch.Tensor, again_sample: torch.Tensor,
+        divisor: float, count: float,
+    ) -> None:  # fmt: skip
+        """The band from one micro-batch: ``grads`` its ``∇S`` (sampled: ``sample``), ``again``
+        the same differentiated with the loss divided by ``divisor`` (sampled:
+        ``again_sample``), ``count`` its items."""
+        self.band = math.sqrt(squared(again, grads, scale=divisor))
+        delta = again_sample * divisor - sample  # δ, sampled (float64)
+        size = float(sample.norm())
+        self.delta = delta / size if size > 0 else delta * 0
+        self.band_count = count
+
 
 def _band(
     call: Call, objective: ObjectiveFn, params: list[nn.Parameter], divisor: float
@@ -134,12 +147,8 @@ def recompute(
                 if not banded and count > 0:
                     divisor = 3.0 * count * len(calls)  # like 1 / N: no power of two
                     again, out.band_rows_reversed = _band(call, objective, targets, divisor)
-                    out.band = math.sqrt(squared(again, grads, scale=divisor))
                     picked = sampler.take([again[j] for j in pick])
-                    delta = picked * divisor - samples[index]  # δ, sampled (float64)
-                    size = float(samples[index].norm())
-                    out.delta = delta / size if size > 0 else delta * 0
-                    out.band_count = count
+                    out.note_band(grads, again, samples[index], picked, divisor, count)
                     del again
                     banded = True
                 add_into(out.ref, grads)
