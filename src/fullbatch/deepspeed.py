@@ -1,39 +1,13 @@
 """Exact gradient accumulation on a raw DeepSpeed engine (``deepspeed.initialize``).
 
-A DeepSpeed engine divides every loss by ``gradient_accumulation_steps`` in
-``engine.backward`` and averages gradients over its data-parallel ranks ``W``; a per-micro-batch
-*mean* loss then weights micro-batches equally, whatever they hold (a mean of means: 41% off
-the full batch on uneven micro-batches with ``-100`` labels, measured by
-``benchmarks/deepspeed_accumulation.py``). At ZeRO stages 2 and 3 the engine reduces and
-partitions each gradient during backward (and, with offload, copies it to the CPU), so nothing
-can rescale the accumulated gradient afterwards. :class:`ExactEngine` therefore fixes the scale
-**before** the window's first backward:
-
-- it reads the window (``gradient_accumulation_steps`` micro-batches per rank), counts each
-  micro-batch's items with your ``count`` function and sums them over the data-parallel ranks
-  (one small all-reduce, which also tells every rank how many micro-batches the others hold);
-- each ``window.backward(loss_sum, n)`` is ``engine.backward(loss_sum · W / N,
-  scale_wrt_gas=False)``: the engine's own ``1 / GA`` is switched off and its average over
-  ``W`` ranks undone, so the gradient DeepSpeed applies is ``∇(Σ loss_sum) / N`` over every
-  micro-batch and rank, at every ZeRO stage, with or without CPU offload. DeepSpeed's own
-  ``gradient_clipping`` then clips the full-batch gradient;
-- the boundary is set on every micro-batch (``set_gradient_accumulation_boundary``), so a short
-  last window steps on its own count; a rank with fewer micro-batches runs padding
-  micro-batches (a copy of its last one, ``window.is_padding``, zero weight), because ZeRO 2/3
-  reduce during every backward and every rank must run as many;
-- ``n`` must equal what ``count`` said for that micro-batch (checked before the window's last
-  backward: DeepSpeed steps at the boundary), so the scale and the loss never disagree;
-- a window is closed through fullbatch's one verdict (:mod:`fullbatch._wings._close`): zero
-  items skips it before anything runs; a non-finite loss (on any rank) turns that micro-batch's
-  scale into NaN so that DeepSpeed's own overflow check skips the step (ZeRO 1-3: parameters,
-  optimizer state and LR schedule untouched); stage 0 keeps gradients in ``.grad``, where the
-  window checks and clears them itself.
-
-Refused, with the reason: MoE layers and sequence parallelism (their gradients are divided by
-other groups), fp16/bf16 at stage 0 (DeepSpeed's own mixed-precision optimizer owns the
-gradients there), ZeRO-2 ``offload_optimizer`` with more than one backward per step on
-deepspeed < 0.19.0 (it kept only one backward's gradient: DeepSpeed #6550's regression, fixed
-by #7967 and #7981; ZeRO-1 and ZeRO-3 offload were exact on 0.17.0).
+DeepSpeed divides each loss by ``gradient_accumulation_steps`` and, at ZeRO 2/3, reduces and
+partitions each gradient during backward, so nothing can rescale the window afterwards.
+:class:`ExactEngine` counts the window before its first backward (one all-reduce, which also
+says how many micro-batches each rank holds: a short rank runs zero-weight padding
+micro-batches) and backpropagates ``loss_sum · W / N`` with ``scale_wrt_gas=False``; the
+window closes through the shared verdict (:mod:`fullbatch._wings._deepspeed`). What is
+refused, and why: :func:`refusal`. The whole story, measured: docs/distributed.md
+("DeepSpeed").
 
 Example (one process; the same code runs under ``deepspeed``/``torchrun``)::
 
@@ -67,6 +41,7 @@ from fullbatch._wings._deepspeed import (
     refusal,
     scaled,
 )
+from fullbatch._wings._window import WingWindow, count_ahead
 
 __all__ = ["OFFLOAD_FIXED", "DeepSpeedWindow", "ExactEngine", "check_engine", "refusal"]
 
@@ -140,19 +115,19 @@ class DeepSpeedWindow:
         engine = exact.engine
         counts = [check_count(exact.count(m)) for m in micros]
         self._counts = [float(c) for c in counts]
-        k = exact.micro_batches
-        # [Σ count, how many ranks hold 0, 1, ..., K micro-batches]: one collective says both
-        # the window's N and the largest number of micro-batches (what every rank runs).
-        local = torch.zeros(k + 2, dtype=torch.float64, device=engine.device)
-        local[0] = sum(self._counts)
-        local[1 + len(micros)] = 1.0
-        sum_over_ranks(local)
-        held = local[1:].tolist()
-        self.count = float(local[0])
-        self.size = max(i for i, n in enumerate(held) if n > 0 or i == 0)
-        if self.size and held[0] > 0:
+        # N and how many ranks hold 0, 1, ..., K micro-batches: one collective says both the
+        # window's N and the largest number of micro-batches (what every rank runs).
+        ahead = count_ahead(
+            [sum(self._counts)],
+            sum_over_ranks,
+            engine.device,
+            held=len(micros),
+            most=exact.micro_batches,
+        )
+        self.count, self.size = ahead.sums[0], ahead.most
+        if self.size and ahead.held[0] > 0:
             raise ValueError(
-                f"{int(held[0])} rank(s) have no micro-batch left while others have up to "
+                f"{int(ahead.held[0])} rank(s) have no micro-batch left while others have up to "
                 f"{self.size}: ZeRO reduces in every backward, so every rank must run the "
                 "window. Give every rank the same number of micro-batches (e.g. a "
                 "DistributedSampler with drop_last=True, or pad the dataset)."
@@ -161,8 +136,7 @@ class DeepSpeedWindow:
         self.is_padding = False
         self._index = -1
         self._done = 0  # backward calls
-        self._losses: list[torch.Tensor] = []
-        self._mismatch = torch.zeros((), dtype=torch.float64, device=engine.device)
+        self._numbers = WingWindow(self.scale, device=engine.device, counted=self._counts)
         self._ran = False
         self._stepped = False
 
@@ -195,25 +169,17 @@ class DeepSpeedWindow:
         if self.is_padding:
             loss = loss_sum * 0.0  # runs every collective of the backward, weighs nothing
         else:
-            n = check_count(count)
-            n = torch.as_tensor(n, dtype=torch.float64, device=self._mismatch.device)
-            self._mismatch += (n - self._counts[i]).abs()
-            self._losses.append(loss_sum.detach().double().reshape(1))
+            self._numbers.record(loss_sum, check_count(count))
             # a non-finite loss poisons the gradient, so DeepSpeed's overflow check skips
             loss = scaled(loss_sum, self.scale)
-        if i == self.size - 1:
-            self._check_counts()
-        engine.backward(loss, scale_wrt_gas=False, **kwargs)
-
-    def _check_counts(self) -> None:
-        bad = float(self._mismatch)  # the one host sync before DeepSpeed steps
-        if bad:
-            raise ValueError(
-                f"window.backward got counts that differ from count(micro) by {bad:g} items "
-                f"in total (count(micro) gave {self._counts}); the loss would be scaled by "
-                "another N than it holds. Make count() count exactly the items the summed "
-                "loss holds (e.g. the causal shift: fb.count_tokens(labels, shift=True))."
+        if i == self.size - 1:  # the one host sync before DeepSpeed steps
+            self._numbers.check_counted(
+                "window.backward",
+                "count(micro)",
+                "Make count() count exactly the items the summed loss holds (e.g. the causal "
+                "shift: fb.count_tokens(labels, shift=True)).",
             )
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
 
     def step(self) -> StepStats:
         """Let DeepSpeed step (or skip) and close the window through the verdict."""
@@ -226,13 +192,10 @@ class DeepSpeedWindow:
                 "micro-batch of the window (padding ones too) needs its backward first."
             )
         self._stepped = True
-        local = torch.cat(self._losses).sum().reshape(1) if self._losses else None
-        if local is None:
-            local = torch.zeros(1, dtype=torch.float64, device=engine.device)
         verdict, _ = close_engine_window(
             engine,
             exact._wing,
-            local,
+            self._numbers,
             sum_over_ranks,
             count=self.count,
             loss_divisor=self.count,

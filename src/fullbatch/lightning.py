@@ -27,7 +27,6 @@ import importlib
 import math
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,8 +48,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from fullbatch._base._normalize import check_count
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync import all_reduce_over
-from fullbatch._base._verdict import CountedSteps, Verdict, WindowCounters, WindowTotals
-from fullbatch._wings._close import Wing, close_window, read_totals, skip_framework_step
+from fullbatch._base._verdict import CountedSteps, Verdict, WindowCounters
+from fullbatch._wings._close import Wing, skip_framework_step
+from fullbatch._wings._window import WingWindow
 
 __all__ = ["ExactAccumulation"]
 
@@ -76,36 +76,18 @@ def _package(trainer: Any) -> Any:
     return pl
 
 
-@dataclass(frozen=True)
-class _Micro:
-    """What one micro-batch's ``training_step`` returned, kept until the window's step."""
-
-    loss: torch.Tensor  # detached summed loss, float64
-    count: torch.Tensor  # item count, float64, on the loss's device
-    divisor: int  # the K Lightning divides this micro-batch's loss by
-    scale: float  # c, which the callback multiplied this micro-batch's loss by
-
-
 class ExactAccumulation(CountedSteps, pl.Callback):
     """Make ``Trainer(accumulate_grad_batches=K)`` step exactly like the full batch.
 
     ``training_step`` must return ``{"loss": loss_sum, "count": n}``: the loss *summed* over
     the micro-batch's items and how many items that sum holds (``fb.causal_lm_loss`` and
-    ``fb.cross_entropy_sum`` return both). The callback hands Lightning ``c · loss_sum``, ``c``
-    a power of two ``<= 1 / N`` of the previous window (1 in the first), identical on every
-    rank, which keeps fp16 gradients in range as ``fb.Accumulator`` does; Lightning
-    backpropagates it divided by ``K`` as usual (DDP then averages over its ``W`` ranks). At
-    ``on_before_optimizer_step`` the callback all-reduces the window's loss sum and count over
-    the DDP group (one small collective, no gradient traffic) and multiplies every gradient by
-    ``K * W / (c * N)``, so the optimizer, the gradient clipping (``gradient_clip_val``) and
-    the GradScaler see ``∇(Σ loss_sum) / N``. The epoch's last, shorter window is normalized
-    by its own count.
-
-    How it sees the counts: at ``setup("fit")`` it sets an instance attribute
-    ``training_step`` on the LightningModule that calls the original one and records its
-    output (the class is untouched; ``teardown`` removes the attribute). The output's other
-    keys pass through unchanged; its ``"loss"`` becomes ``c · loss_sum`` (a copy of the dict;
-    the returned dict itself from the first window on, where ``c = 1``).
+    ``fb.cross_entropy_sum`` return both). Lightning backpropagates ``c · loss_sum / K`` (the
+    callback hands it ``c · loss_sum``, ``c`` a power of two ``<= 1 / N``); at
+    ``on_before_optimizer_step`` one small all-reduce gives the window's loss sum and count and
+    every gradient is multiplied by ``K · W / (c · N)``, so the optimizer, the clipping and the
+    GradScaler see ``∇(Σ loss_sum) / N``. It sees the outputs through an instance attribute
+    ``training_step`` set at ``setup("fit")`` (the class is untouched; ``teardown`` removes
+    it). How it works, step by step: docs/integrations.md ("Lightning").
 
     Args:
         log_name: the window's true loss ``Σ loss_sum / N`` (over micro-batches and ranks) is
@@ -151,7 +133,8 @@ class ExactAccumulation(CountedSteps, pl.Callback):
         self.count = math.nan  # the last window's N (over ranks)
         self.counters = WindowCounters()  # optimizer steps taken, windows skipped
         self._scale = 1.0  # c: a power of two <= 1 / N of the previous window, on every rank
-        self._pending: list[_Micro] = []
+        self._window = WingWindow()  # the micro-batches recorded since the last step
+        self._divisors: list[int] = []  # the K Lightning divides each one's loss by
         # a skipped window's scheduler states and param-group values, restored after
         # Lightning's scheduler step (on_train_batch_end)
         self._kept: KeptSchedule | None = None
@@ -226,7 +209,7 @@ class ExactAccumulation(CountedSteps, pl.Callback):
                 UserWarning,
                 stacklevel=2,
             )
-        self._pending.clear()
+        self._forget()
         original = pl_module.training_step
 
         @functools.wraps(original)
@@ -240,7 +223,7 @@ class ExactAccumulation(CountedSteps, pl.Callback):
         if self._module is pl_module and "training_step" in vars(pl_module):
             del pl_module.training_step  # the class's method shows through again
         self._module = None
-        self._pending.clear()
+        self._forget()
 
     # -- one micro-batch -----------------------------------------------------------------
 
@@ -277,10 +260,11 @@ class ExactAccumulation(CountedSteps, pl.Callback):
                 check_count(count)  # plain numbers: now, no collective involved
             except ValueError as exc:
                 raise ValueError(f'training_step\'s "count": {exc}') from None
-        n = torch.as_tensor(count, dtype=torch.float64, device=loss.device).detach().reshape(())
-        divisor = trainer.accumulate_grad_batches  # what Lightning divides this loss by, next
-        c = self._scale
-        self._pending.append(_Micro(loss.detach().to(torch.float64), n, divisor, c))
+        if not len(self._window):
+            self._window = WingWindow(self._scale)  # c of this window, on every rank
+        c = self._window.loss_scale
+        self._window.record(loss, count)
+        self._divisors.append(trainer.accumulate_grad_batches)  # Lightning divides by it next
         self._recorded = True
         # Lightning backpropagates what "loss" holds: c · loss_sum (c = 1: the output as is).
         return out if c == 1.0 else {**out, "loss": loss * c}
@@ -306,61 +290,53 @@ class ExactAccumulation(CountedSteps, pl.Callback):
     ) -> None:
         # Lightning zeroes gradients right after the training_step of a window's first
         # micro-batch; anything recorded before it belongs to gradients that are now gone.
-        newest = self._pending[-1:] if self._recorded else []
-        self._pending = self._pending[: len(self._pending) - len(newest)]
-        self._drop_pending("when Lightning zeroed the gradients")
-        self._pending = newest
+        keep = 1 if self._recorded and len(self._window) else 0
+        self._drop_pending("when Lightning zeroed the gradients", keep)
 
-    def _drop_pending(self, when: str) -> None:
-        if self._pending:
+    def _forget(self) -> None:
+        self._window, self._divisors = WingWindow(self._scale), []
+
+    def _drop_pending(self, when: str, keep: int = 0) -> None:
+        dropped = self._window.keep_last(keep)
+        self._divisors = self._divisors[len(self._divisors) - keep :] if keep else []
+        if dropped:
             warnings.warn(
-                f"ExactAccumulation: {len(self._pending)} micro-batch(es) were accumulated but "
+                f"ExactAccumulation: {dropped} micro-batch(es) were accumulated but "
                 f"never stepped (Lightning dropped them {when}, e.g. on_train_batch_start "
                 "returned -1); their gradients are not in any step.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self._pending = []
 
     # -- the step ------------------------------------------------------------------------
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        window, self._pending = self._pending, []
-        if not window:  # every training_step returned None: nothing was backpropagated
+        window, divisors = self._window, self._divisors
+        self._forget()
+        if not len(window):  # every training_step returned None: nothing was backpropagated
             return
-        divisors = {m.divisor for m in window}
-        if len(divisors) != 1:
+        if len(set(divisors)) != 1:
             raise RuntimeError(
-                f"accumulate_grad_batches changed inside a window ({sorted(divisors)}); change it "
-                "only between epochs (GradientAccumulationScheduler does)."
+                f"accumulate_grad_batches changed inside a window ({sorted(set(divisors))}); "
+                "change it only between epochs (GradientAccumulationScheduler does)."
             )
-        counts = torch.stack([m.count for m in window])
-        local = torch.stack(
-            [
-                torch.stack([m.loss for m in window]).sum(),
-                counts.sum(),
-                (~torch.isfinite(counts) | (counts < 0)).sum().to(torch.float64),
-            ]
-        )
-        world = 1.0
+        ranks = [1.0]
         strategy = trainer.strategy
+        reduce = None
         if isinstance(strategy, self._ddp) and trainer.world_size > 1:
             group = getattr(strategy.model, "process_group", None)
-            # Σ loss, Σ count, bad counts over ranks
-            world = float(all_reduce_over(local, group))
-        if self.grad_divisor is not None:
-            world = float(self.grad_divisor)
+
+            def reduce(t: torch.Tensor) -> torch.Tensor:  # Σ loss, Σ count, bad counts
+                ranks[0] = float(all_reduce_over(t, group))
+                return t
+
         params = [p for group in optimizer.param_groups for p in group["params"]]
         # DDP synced the gradients (and Lightning unscaled them): the norm is every rank's.
         grads = [p.grad for p in params if p.grad is not None]
-        total_loss, total_count, bad, sq_total = read_totals(local, grads)  # one host sync
-        if bad:
-            raise ValueError(
-                f"{int(bad)} micro-batch count(s) in this window were negative or not finite "
-                f"(this rank's counts: {counts.tolist()}). " + _RETURN_HINT
-            )
+        read = window.read(grads, reduce, fix=_RETURN_HINT)  # one host sync
+        world = ranks[0] if self.grad_divisor is None else float(self.grad_divisor)
 
         def skip(verdict: Verdict) -> None:
             # Lightning steps step-interval schedulers after this window regardless: keep
@@ -371,18 +347,11 @@ class ExactAccumulation(CountedSteps, pl.Callback):
                 optimizer.param_groups,
             )
 
-        # Lightning backpropagated c · loss_sum / K; DDP averaged over `world` ranks.
-        totals = WindowTotals(
-            loss=total_loss,
-            count=total_count,
-            squared_norm=sq_total,
-            divisor=divisors.pop() * world,
-            loss_scale=window[0].scale,
-        )
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         wing = Wing(self.counters, "the callback's skipped_windows", _THROUGH, scaler=scaler)
-        verdict = close_window(totals, wing, grads, skip)
-        self.loss, self.count = verdict.loss, total_count
+        # Lightning backpropagated c · loss_sum / K; DDP averaged over `world` ranks.
+        verdict = window.close(read, wing, grads, skip, divisor=divisors[0] * world)
+        self.loss, self.count = verdict.loss, read.count
         if verdict.next_loss_scale is not None:
             self._scale = verdict.next_loss_scale
         if verdict.skipped:

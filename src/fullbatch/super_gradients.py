@@ -1,44 +1,14 @@
 """Exact gradient accumulation inside Super-Gradients' own ``Trainer(batch_accumulate=K)``.
 
-Super-Gradients (3.7.1) backpropagates each micro-batch's loss as it is and steps when
-``global_step % batch_accumulate == 0``, ``global_step`` counting micro-batches across epochs:
-every step is the *sum* of K per-micro-batch means (K times the full batch's gradient, and
-micro-batches weigh the same whatever they hold, e.g. however many pixels are
-``ignore_index``), windows run across epoch boundaries, and the last, partial window of a
-training is never applied. This module keeps its Trainer (callbacks, loggers, checkpoints,
-EMA) and makes every optimizer step the full-batch step over the window's micro-batches:
-
-- :class:`SummedLoss` is the criterion: ``fn(outputs, targets) -> (loss_sum, count)``, the loss
-  *summed* over the micro-batch's items and how many items that is. In a training forward it
-  records both and returns ``c · loss_sum`` for SG to backpropagate (``c``: a power of two
-  ``<= 1/N``, as every fullbatch wing uses; validation runs under ``no_grad`` and records
-  nothing);
-- :class:`ExactTrainer` is SG's ``Trainer`` with its ``_backward_step`` replaced: a window ends
-  after K micro-batches **and at the end of every epoch** (a shorter last window is normalized
-  by its own count), through the verdict every fullbatch wing uses
-  (:mod:`fullbatch._base._verdict`): the gradient is multiplied by ``1 / (c · N)`` before the
-  ``on_train_batch_gradient_step_start`` callbacks, SG's unscale and ``clip_grad_norm``; a
-  window with no counted items, a non-finite loss or a non-finite gradient is skipped: no
-  optimizer step, no EMA update, no step callbacks (step-based LR schedulers stay where they
-  were), a ``RuntimeWarning``, counted in ``trainer.fb_counters``.
-
-BatchNorm: a train-mode BatchNorm normalizes each micro-batch with its own statistics, so the
-*gradient* is the micro-batches' (a warning says so); ``ExactTrainer(batchnorm="window")``
-gives layers not fed by another train-mode BatchNorm exact window-level running statistics,
-as ``fb.Accumulator(batchnorm="window")`` does. Learning rate: each step is the full-batch
-step of the window's rows, so the learning rate tuned for that full batch is right as it is;
-SG's own accumulation summed K means, so a recipe tuned on it used an effective SGD learning
-rate K times its ``initial_lr``. To change the global batch size, ``fb.scale_lr``.
-
-Refused: DDP and ``DataParallel`` (SG's DDP path needs CUDA and is not tested here: use
-``fb.Accumulator`` with DDP), a criterion other than :class:`SummedLoss`, a non-dict
-``training_params`` (convert an OmegaConf config with ``OmegaConf.to_container``).
-
-Relies on these SG 3.7.1 internals: ``Trainer._backward_step(loss, epoch, batch_idx,
-context)`` called once per micro-batch by ``_train_epoch``, the attributes ``scaler``,
-``optimizer``, ``net``, ``train_loader``, ``max_train_batches``, ``max_epochs``, ``ema``,
-``ema_model``, ``training_params`` and ``phase_callback_handler`` it reads there, and the
-callback phases ``on_training_start`` / ``on_train_batch_start`` / ``on_training_end``.
+SG 3.7.1 backpropagates each micro-batch's mean loss as it is and steps every K micro-batches
+counted across epochs: each step is the *sum* of K means. Here :class:`SummedLoss` (the
+criterion: ``fn(outputs, targets) -> (loss_sum, count)``) records each training forward's
+numbers in a wing window and returns ``c · loss_sum``; :class:`ExactTrainer` replaces SG's
+``_backward_step`` so that a window ends after K micro-batches and at every epoch's end,
+through the shared verdict (normalized, or skipped with no optimizer step, EMA update or step
+callbacks). ``batchnorm="window"``: exact window-level running statistics. The SG internals it
+relies on, what it refuses and the learning rate: docs/integrations_frameworks.md
+("Super-Gradients").
 
 Example (``benchmarks/super_gradients_exact.py`` runs it against a float64 full batch)::
 
@@ -55,7 +25,6 @@ Example (``benchmarks/super_gradients_exact.py`` runs it against a float64 full 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,35 +40,38 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
         "docs/integrations_frameworks.md (Super-Gradients) shows."
     ) from exc
 
-from fullbatch._base._normalize import check_count, power_of_two_scale, squared_norm
-from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters, WindowTotals
+from fullbatch._base._normalize import check_count, power_of_two_scale
+from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters
 from fullbatch._base._warn import warn
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
-from fullbatch._wings._close import Wing, close_window
+from fullbatch._wings._close import Wing
+from fullbatch._wings._window import WingWindow
 
 __all__ = ["ExactTrainer", "SummedLoss"]
 
 # The frameworks between the user's trainer.train() and the window's end.
 _THROUGH = ("super_gradients", "torch")
 _BATCHNORM = (None, "window")
+_COUNT_FIX = "SummedLoss's fn must return the number of items its sum holds."
 
 
-@dataclass
 class _Window:
-    """The open window: what :class:`SummedLoss` recorded in its training forwards."""
+    """The open window: ``K`` and the numbers :class:`SummedLoss` records (a wing window)."""
 
-    k: int  # micro-batches per window (batch_accumulate)
-    scale: float | None = None  # c; the first window's comes from its first micro-batch's count
-    losses: list[torch.Tensor] = field(default_factory=list)  # Σ loss_sum per micro-batch
-    counts: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, k: int) -> None:
+        self.k = k  # micro-batches per window (batch_accumulate)
+        self.scale: float | None = None  # c; the first window's from its first count
+        self.numbers = WingWindow()
 
     def record(self, loss_sum: torch.Tensor, count: Any) -> float:
-        n = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).detach()
         if self.scale is None:  # one host read, first window only: keeps fp16 sums in range
-            self.scale = power_of_two_scale(float(n) * self.k)
-        self.losses.append(loss_sum.detach().to(torch.float64).reshape(()))
-        self.counts.append(n.reshape(()))
+            self.scale = power_of_two_scale(float(torch.as_tensor(count)) * self.k)
+            self.numbers.loss_scale = self.scale
+        self.numbers.record(loss_sum, count)
         return self.scale
+
+    def reset(self) -> None:
+        self.numbers = WingWindow(self.scale or 1.0)
 
 
 class SummedLoss(nn.Module):
@@ -179,13 +151,13 @@ class _WindowPhases(Callback):
                 f"{type(net).__name__}. Train on one device, or use fb.Accumulator with DDP "
                 "(docs/distributed.md), which counts items over every rank."
             )
-        self.window.losses, self.window.counts = [], []
+        self.window.reset()
         warn_batchnorm(net, window_statistics=self.batchnorm == "window")
         if self.batchnorm == "window":
             self.bn = WindowBatchNorm(net)
 
     def on_train_batch_start(self, context: Any) -> None:
-        if self.bn is not None and not self.window.losses:  # the window's first micro-batch
+        if self.bn is not None and not len(self.window.numbers):  # the window's first micro-batch
             self.bn.start()
 
     def end(self, apply: bool) -> None:
@@ -193,9 +165,9 @@ class _WindowPhases(Callback):
             self.bn.finish(apply)
 
     def on_train_loader_end(self, context: Any) -> None:
-        if self.window.losses:  # ExactTrainer ends a window at every epoch's last batch
+        if len(self.window.numbers):  # ExactTrainer ends a window at every epoch's last batch
             warn(
-                f"{len(self.window.losses)} micro-batch(es) are still accumulated at the end of "
+                f"{len(self.window.numbers)} micro-batch(es) are still accumulated at the end of "
                 "the epoch: the loader yielded fewer batches than len(train_loader), so this "
                 "window runs into the next epoch (after the last one, it is never applied).",
                 RuntimeWarning,
@@ -274,10 +246,10 @@ class ExactTrainer(Trainer):
         per_epoch = (
             len(self.train_loader) if self.max_train_batches is None else self.max_train_batches
         )
-        if len(window.losses) < window.k and batch_idx + 1 < per_epoch:
+        if len(window.numbers) < window.k and batch_idx + 1 < per_epoch:
             return  # the window goes on
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not self._fb_end_window(params):
+        if not self._end_window(params):
             return
         self.phase_callback_handler.on_train_batch_gradient_step_start(context)
         if self.training_params.clip_grad_norm:
@@ -295,28 +267,12 @@ class ExactTrainer(Trainer):
             )
         self.phase_callback_handler.on_train_batch_gradient_step_end(context)
 
-    def _fb_end_window(self, params: list[torch.Tensor]) -> bool:
-        """Decide the window; normalize its gradient (True) or skip it (False)."""
+    def _end_window(self, params: list[torch.Tensor]) -> bool:
+        """Close the window: normalize its gradient (True) or skip it (False)."""
         assert self._fb is not None
         window = self._fb.window
         grads = [p.grad for p in params if p.grad is not None]
-        counts = torch.stack(window.counts)
-        device = counts.device
-        sums = torch.stack(
-            [
-                torch.stack(window.losses).to(device).sum(),
-                counts.sum(),
-                (~torch.isfinite(counts) | (counts < 0)).sum().to(torch.float64),
-                squared_norm(grads, device).to(torch.float64),
-            ]
-        )
-        loss, count, bad, sq = sums.tolist()  # the one host read per window
-        if bad:
-            raise ValueError(
-                f"{int(bad)} count(s) in this window are negative or not finite "
-                f"({counts.tolist()}): SummedLoss's fn must return the number of items its sum "
-                "holds."
-            )
+        read = window.numbers.read(grads, fix=_COUNT_FIX)  # the one host read per window
         scaler = self.scaler.is_enabled()
 
         def skip(verdict: Verdict) -> None:
@@ -325,14 +281,11 @@ class ExactTrainer(Trainer):
                 self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
 
-        totals = WindowTotals(
-            loss=loss, count=count, squared_norm=sq, loss_scale=window.scale or 1.0
-        )
         wing = Wing(self.fb_counters, "trainer.fb_counters.skipped_windows", _THROUGH, scaler)
-        verdict = close_window(totals, wing, grads, skip)
-        window.losses, window.counts = [], []
+        verdict = window.numbers.close(read, wing, grads, skip)
         if verdict.next_loss_scale is not None:
             window.scale = verdict.next_loss_scale
+        window.reset()
         self._fb.end(apply=not verdict.skipped)
         self.fb_loss = verdict.loss
         return not verdict.skipped

@@ -263,7 +263,7 @@ def test_refused_batches(tmp_path: Any, rows: list[Any], kind: str, loss: Any, m
 
 
 def test_classification_loss_refuses_token_labels(tmp_path: Any, rows: list[Any]) -> None:
-    from fullbatch.hf import _kind_loss
+    from fullbatch.hf._trainer import _kind_loss
 
     logits = torch.zeros(2, 5, 7)
     with pytest.raises(ValueError, match="one label per row"):

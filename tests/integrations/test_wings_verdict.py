@@ -1,10 +1,16 @@
 """One verdict: the same non-finite window ends the same way in every wing.
 
 Three windows of the same rows (2 micro-batches of 2 rows each) train a tiny float64 GPT-2
-through ``fb.Accumulator``, ``fullbatch.hf.ExactTrainer``, ``fullbatch.trl.ExactSFTTrainer``
-and Lightning's ``ExactAccumulation`` (``fb.Pipeline``: tests/distributed/
-test_distributed_verdict.py), with SGD + momentum and weight decay (optimizer state that a step
-would change), an LR schedule that moves every step, and clipping at 1.0. A token that only the
+through ``fb.Accumulator``, ``fullbatch.hf.ExactTrainer``, ``fullbatch.trl.ExactSFTTrainer``,
+Lightning's ``ExactAccumulation`` and ``fullbatch.super_gradients.ExactTrainer`` (on the tests'
+stand-in without Super-Gradients; its optimizer is built by SG, with no LR schedule), with SGD
++ momentum and weight decay (optimizer state that a step would change), an LR schedule that
+moves every step, and clipping at 1.0. The wings that need several processes or a DeepSpeed
+engine poison a window in their own files, through the same wing window and verdict:
+``fb.Pipeline`` (tests/distributed/test_distributed_verdict.py), ``fullbatch.deepspeed`` and
+the Trainer on DeepSpeed (tests/_ds_cases.py, tests/_ds_trainer_cases.py: ``"nan"``,
+``"no_items"``), ``ExactGRPOTrainer`` (tests/integrations/test_trl_grpo.py,
+tests/_grpo_ds_cases.py). A token that only the
 middle window's second micro-batch holds poisons it: its embedding output becomes NaN (a NaN
 loss) or its gradient becomes inf (a finite loss, a non-finite gradient). In every wing:
 
@@ -101,10 +107,14 @@ def optimizer_and_schedule(model: nn.Module) -> tuple[Any, Any]:
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
 
-def reference() -> list[list[torch.Tensor]]:
-    """Plain PyTorch: windows 0 and 2 each as one padded batch, summed loss / tokens."""
+def reference(schedule: bool = True) -> list[list[torch.Tensor]]:
+    """Plain PyTorch: windows 0 and 2 each as one padded batch, summed loss / tokens
+    (``schedule=False``: a constant learning rate, for a wing whose framework builds the
+    optimizer and no scheduler)."""
     model = gpt2(None)
     opt, sched = optimizer_and_schedule(model)
+    if not schedule:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     rows = data_rows()
     per_window = K * ROWS
     out = []
@@ -132,13 +142,15 @@ class Run:
     steps: int = -1
     skipped: int = -1
     caught: list[warnings.WarningMessage] = field(default_factory=list)
+    schedule: bool = True  # the run's LR moves every step (the reference's does too)
+    user_files: tuple[str, ...] = (__file__,)  # where the skip warning may point
 
 
 def check(run: Run, mode: str, tol: float, initial: list[torch.Tensor]) -> None:
     assert (run.steps, run.skipped) == (2, 1)
     assert len(run.snaps) == WINDOWS
     run.snaps[1].assert_equal(run.snaps[0])  # params, optimizer and scheduler: bitwise
-    ref = reference()
+    ref = reference(run.schedule)
     for got, want in ((run.snaps[0].params, ref[0]), (run.snaps[2].params, ref[1])):
         error = sum(float((g - w).pow(2).sum()) for g, w in zip(got, want, strict=True))
         moved = sum(float((w - p).pow(2).sum()) for w, p in zip(want, initial, strict=True))
@@ -147,7 +159,7 @@ def check(run: Run, mode: str, tol: float, initial: list[torch.Tensor]) -> None:
     assert len(skips) == 1, [str(w.message) for w in run.caught]
     assert skips[0].category is RuntimeWarning
     assert str(skips[0].message).startswith(same_text(mode)), str(skips[0].message)
-    assert skips[0].filename == __file__, skips[0].filename  # the user's line
+    assert skips[0].filename in run.user_files, skips[0].filename  # the user's line
 
 
 def run_accumulator(mode: str) -> Run:
@@ -312,20 +324,81 @@ def run_lightning(mode: str) -> Run:
     return run
 
 
-WINGS: dict[str, tuple[Callable[[str], Run], float]] = {
+def run_super_gradients(mode: str, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """Super-Gradients' Trainer (its stand-in where SG is not installed: it builds an SGD
+    optimizer from the training params and no scheduler, so the reference's LR is constant)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    import _super_gradients_standin as standin
+
+    real = importlib.util.find_spec("super_gradients") is not None
+    if not real:
+        for name, module in standin.modules().items():
+            monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "fullbatch.super_gradients", raising=False)
+    sg = importlib.import_module("fullbatch.super_gradients")
+    model = gpt2(mode)
+    run = Run(schedule=False, user_files=(__file__,) if real else (__file__, standin.__file__))
+
+    class Net(nn.Module):  # SG calls net(inputs): right padding leaves a causal LM's logits be
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.net(input_ids=input_ids).logits
+
+    class Snap:  # a phase callback: the state at each window's start after the first
+        def __getattr__(self, phase: str) -> Any:
+            return lambda context: None
+
+        def on_train_batch_start(self, context: Any) -> None:
+            if context.batch_idx and context.batch_idx % K == 0:
+                run.snaps.append(Snapshot.take(model, context.optimizer))
+
+    loader = [(m["input_ids"], m["labels"]) for m in micro_batches()]
+    trainer = sg.ExactTrainer(experiment_name="verdict")
+    params = {
+        "loss": sg.SummedLoss(fb.causal_lm_loss),
+        "batch_accumulate": K,
+        "clip_grad_norm": 1.0,
+        "max_epochs": 1,
+        "initial_lr": 0.1,
+        "optimizer_params": {"momentum": 0.9, "weight_decay": 0.01},
+        "phase_callbacks": [Snap()],
+    }
+    try:
+        with warnings.catch_warnings(record=True) as run.caught:
+            warnings.simplefilter("always")
+            trainer.train(Net(), params, train_loader=loader, valid_loader=[])
+        run.snaps.append(Snapshot.take(model, trainer.optimizer))
+    finally:
+        sys.modules.pop("fullbatch.super_gradients", None)
+        vars(fb).pop("super_gradients", None)
+    run.steps, run.skipped = trainer.fb_counters.steps, trainer.fb_counters.skipped_windows
+    return run
+
+
+WINGS: dict[str, tuple[Callable[..., Run], float]] = {
     "Accumulator": (run_accumulator, TOL),
     "ExactTrainer": (run_exact_trainer, TOL),
     "ExactSFTTrainer": (run_exact_sft_trainer, SFT_TOL),
     "Lightning": (run_lightning, TOL),
+    "SuperGradients": (run_super_gradients, TOL),
 }
 
 
 @pytest.mark.parametrize("mode", list(REASONS))
 @pytest.mark.parametrize("wing", list(WINGS))
-def test_a_non_finite_window_is_skipped_the_same_way_in_every_wing(wing: str, mode: str) -> None:
+def test_a_non_finite_window_is_skipped_the_same_way_in_every_wing(
+    wing: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run, tol = WINGS[wing]
     initial = [p.detach().clone() for p in gpt2(None).parameters()]
-    check(run(mode), mode, tol, initial)
+    got = run(mode, monkeypatch) if run is run_super_gradients else run(mode)
+    check(got, mode, tol, initial)
 
 
 def test_the_reference_can_tell_a_skipped_window_from_a_stepped_one() -> None:

@@ -1,38 +1,30 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) with exact optimizer steps.
 
-A pipeline schedule runs a loss per pipeline micro-batch on the last stage and, with
-``scale_grads=True`` (torch's default), divides every ``.grad`` — earlier schedule steps'
-too — by ``n_microbatches`` at the end of each ``schedule.step``; a mean loss per micro-batch
-is then a mean of means. fullbatch instead:
-
-- counts the window's items from the targets **before** any loss (on the last stage, summed
-  over every rank of the job, so over the data-parallel ranks),
-- hands the schedule a summed loss (:class:`PipelineLoss`) multiplied by ``c``, the largest
-  power of two ``<= 1 / N`` of that count (exact in every format, the same on every rank),
-- refuses ``scale_grads=True`` and a loss that is not a :class:`PipelineLoss`,
-- sums gradients over the data-parallel ranks once per window (no DDP/FSDP wrapper needed on
-  the stages), agrees on the norm over all stages, and ends the window through fullbatch's one
-  verdict (``fullbatch._base._verdict``): a window with no counted items, a non-finite loss or a
-  non-finite gradient is skipped on every stage and rank (with a warning), otherwise the
-  gradients are multiplied once by ``1 / (c · N)`` and the clip, stepped and cleared.
-
-A window is one optimizer step: one or several ``schedule.step`` calls (``window.run``).
+A schedule with ``scale_grads=True`` divides every ``.grad`` by ``n_microbatches`` after each
+step: a mean of means. Here the window's items are counted on the last stage before any loss
+(one count-ahead over every rank), the schedule gets a summed loss times ``c``
+(:class:`PipelineLoss`), and ``window.step()`` sums gradients over the data-parallel ranks
+and closes the wing window through the shared verdict on every stage and rank. A window is
+one optimizer step: one or several ``schedule.step`` calls (``window.run``). See
+docs/distributed.md ("Pipeline parallelism").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from fullbatch._base._normalize import power_of_two_scale, squared_norm
+from fullbatch._base._normalize import power_of_two_scale
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
-from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals
+from fullbatch._base._verdict import CountedSteps, WindowCounters
 from fullbatch._base._versions import check_pipeline_schedule
 from fullbatch._pipeline._scale import check_scaler, finish_scaler, window_scale
-from fullbatch._wings._close import Wing, close_window
+from fullbatch._wings._close import Wing
+from fullbatch._wings._window import WingWindow, count_ahead
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 
@@ -151,6 +143,10 @@ class Pipeline(CountedSteps):
         self.scaler = check_scaler(scaler)
         self.counters = WindowCounters()  # optimizer steps taken, windows skipped
 
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over every rank of the job (one tiny all-reduce)."""
+        return torch.tensor(self._comm.sum(t.tolist()), dtype=torch.float64)
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
 
@@ -167,7 +163,7 @@ class Pipeline(CountedSteps):
         local = 0.0
         if self._last and targets is not None:
             local = float(sum(float(self._count(t)) for t in targets))
-        (count,) = self._comm.sum([local])
+        (count,) = count_ahead([local], self._sum, "cpu").sums
         scale = 1.0
         if self.scaler is not None:
             params = self._params()
@@ -181,12 +177,17 @@ class PipelineWindow:
     def __init__(self, pipeline: Pipeline, count: float, scale: float = 1.0) -> None:
         self._pipe = pipeline
         self.count = count
-        self.loss_scale = power_of_two_scale(count)  # c <= 1 / N: N is known before any loss
         self.scale = scale  # the GradScaler's scale for the whole window (1: none)
         self.micro_batches = 0
-        # The summed losses of real micro-batches. Not summed in the loss function: torch's
-        # metadata inference calls it once more on a first step.
-        self._losses: list[torch.Tensor] = []
+        # c <= 1 / N (N is known before any loss) and the summed losses of real micro-batches,
+        # recorded here, not in the loss function: torch's metadata inference calls it once
+        # more on a first step.
+        self._numbers = WingWindow(power_of_two_scale(count))
+
+    @property
+    def loss_scale(self) -> float:
+        """``c``: what the window's summed losses are multiplied by."""
+        return self._numbers.loss_scale
 
     def run(
         self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
@@ -202,7 +203,8 @@ class PipelineWindow:
         finally:
             pipe.loss.loss_scale, pipe.loss.scale = None, 1.0
         sums = [t.detach() / (self.loss_scale * self.scale) for t in losses]  # exact: 2^k
-        self._losses.extend(sums)
+        for t in sums:
+            self._numbers.record(t)
         losses[:] = [t / self.count for t in sums] if self.count > 0 else sums
         self.micro_batches += int(getattr(pipe.schedule, "_n_microbatches", 1))
         return out
@@ -219,24 +221,19 @@ class PipelineWindow:
         pipe._comm.sum_grads(grads)
         if pipe.scaler is not None:
             pipe.scaler.unscale_(pipe.optimizer)  # after the DP sum: an inf reaches every rank
-        # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
-        sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
-        mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
-        loss, sq = pipe._comm.sum([mine, sq])  # the window's Σ loss_sum, the squared norm
-        totals = WindowTotals(
-            loss=loss,
-            count=self.count,
-            squared_norm=sq,
-            loss_scale=self.loss_scale,
-            max_grad_norm=pipe._max_grad_norm,
-        )
+        # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm;
+        # the window's Σ loss_sum comes from the last stage's ranks.
+        read = self._numbers.read(grads, pipe._sum, shard_copies=pipe._comm.dp_world)
         wing = Wing(
             pipe.counters,
             "pipe.skipped_windows and stats.skipped_windows",
             scaler=pipe.scaler is not None,
             clips=True,  # max_grad_norm is the pipeline's own
         )
-        verdict = close_window(totals, wing, grads)  # scaled by W / (c·N) and the clip
+        # scaled by W / (c·N) and the clip
+        verdict = self._numbers.close(
+            read, wing, grads, count=self.count, max_grad_norm=pipe._max_grad_norm
+        )
         if not verdict.skipped:
             if pipe.scaler is not None:
                 pipe.scaler.step(pipe.optimizer)  # every gradient here is finite: it steps
@@ -245,7 +242,7 @@ class PipelineWindow:
             if pipe._scheduler is not None:
                 pipe._scheduler.step()
         if pipe.scaler is not None:  # the job-wide verdict, not this stage's own
-            finish_scaler(pipe.scaler, self.scale, not totals.grad_finite)
+            finish_scaler(pipe.scaler, self.scale, not math.isfinite(read.squared_norm))
         pipe.optimizer.zero_grad(set_to_none=True)
         groups = pipe.optimizer.param_groups
         return StepStats(

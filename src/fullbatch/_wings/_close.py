@@ -1,26 +1,11 @@
-"""The one window-close of the framework wings: read the totals, decide, then step or skip.
+"""The one window-close of the framework wings: decide, then scale and count a step, or skip.
 
-Every wing that hands its step to a framework — ``fullbatch.hf.ExactTrainer`` and the TRL
-trainers, Lightning's ``ExactAccumulation``, ``fullbatch.super_gradients.ExactTrainer``,
-``fullbatch.deepspeed.ExactEngine``, ``fb.Pipeline`` — ends its window with the same three
-moves:
-
-1. :func:`read_totals`: the window's sums (loss sum, count, extras), reduced over ranks by the
-   framework's own collective, and the squared norm of the gradients as accumulated, read on
-   the host together (the one host sync of the window);
-2. :func:`close_window`: :func:`fullbatch._base._verdict.decide`, then on a step the
-   gradients are multiplied by the verdict's factor (and clip, where the wing clips) and the
-   step is counted; on a skip the wing's ``skip`` action runs (what its framework needs so
-   that parameters, optimizer state and LR schedule stay as they were) and the skip is
-   counted and warned about;
-3. for a framework that steps the optimizer and the scheduler after the wing's hook whatever
-   happens (the Hugging Face Trainer, Lightning), :func:`skip_framework_step` is that action:
-   every ``.grad`` set to ``None`` (torch optimizers leave such parameters and their state
-   alone, and the framework's clipping finds nothing) and the schedule kept, to be restored
-   after the framework's scheduler step.
-
-The contract a wing fills (``c``, ``W``, what the totals mean) is in
-:mod:`fullbatch._base._verdict`.
+:func:`read_totals` reads a window's reduced sums and the gradients' squared norm in one host
+sync; :func:`close_window` hands them to :func:`fullbatch._base._verdict.decide` and scales
+the gradients (a step) or runs the wing's ``skip`` (what its framework needs so that
+parameters, optimizer state and LR schedule stay as they were); :func:`skip_framework_step`
+is that action for a framework that steps anyway (the Hugging Face Trainer, Lightning). The
+contract a wing fills: docs/wings.md ("Writing a new wing").
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """What every DeepSpeed route shares: what cannot be exact, the scale up front, the close.
 
-A DeepSpeed engine divides each loss by ``gradient_accumulation_steps`` in ``engine.backward``,
-averages gradients over its ``W`` data-parallel ranks and, at ZeRO 2/3, reduces and partitions
-each gradient during backward: no factor can be applied after the window. Every fullbatch route
-on DeepSpeed (``fullbatch.deepspeed.ExactEngine``, the Hugging Face Trainer and TRL wings)
-therefore counts the window before its first forward and backpropagates
-``loss_sum · W / N`` with ``scale_wrt_gas=False`` (:func:`window_scale`, :func:`scaled`), and
-ends the window with :func:`close_engine_window`:
-
-- ZeRO 1-3: ``engine.step()``. A window the verdict skips carries a NaN gradient (its scale is
-  NaN: no items, or a non-finite loss), which DeepSpeed's overflow check skips: parameters,
-  optimizer state and LR schedule untouched. The norm is DeepSpeed's, before its clip.
-- ZeRO stage 0: gradients stay in ``.grad`` and DeepSpeed applies whatever they hold, so the
-  norm is read there first and a window the verdict skips is cleared (``engine.zero_grad()``)
-  instead of stepped.
-
-:func:`refusal` names the configurations no scale can make exact.
+DeepSpeed divides each loss by ``gradient_accumulation_steps`` and, at ZeRO 2/3, reduces and
+partitions gradients during backward, so every fullbatch route on it (``ExactEngine``, the
+Trainer and TRL wings) counts the window first and backpropagates ``loss_sum · W / N`` with
+``scale_wrt_gas=False`` (:func:`window_scale`, :func:`scaled`). :func:`close_engine_window`
+ends it: ZeRO 1-3 step (a skipped window's NaN scale makes DeepSpeed's overflow check skip);
+stage 0 reads the gradients first and clears a skipped window. :func:`refusal` names what no
+scale can make exact; :func:`is_deepspeed_engine` is how fullbatch recognises an engine.
 """
 
 from __future__ import annotations
@@ -29,12 +20,14 @@ from typing import Any
 import torch
 
 from fullbatch._base._verdict import Verdict, WindowTotals
-from fullbatch._wings._close import Wing, close_window, read_totals
+from fullbatch._wings._close import Wing, close_window
+from fullbatch._wings._window import WingWindow, count_ahead
 
 __all__ = [
     "OFFLOAD_FIXED",
     "check_engine",
     "close_engine_window",
+    "is_deepspeed_engine",
     "refusal",
     "scaled",
     "window_scale",
@@ -47,6 +40,17 @@ __all__ = [
 #: fixes precede the 0.19.0 release (#7996 bumped the version after it). ZeRO-1 reduces once per
 #: step and was exact on 0.17.0 (``benchmarks/deepspeed_offload_matrix.py``).
 OFFLOAD_FIXED = (0, 19, 0)
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a ``DeepSpeedEngine`` (read from ``sys.modules``: nothing imported).
+
+    >>> is_deepspeed_engine(torch.nn.Linear(1, 1))
+    False
+    """
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    return cls is not None and isinstance(obj, cls)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -137,10 +141,7 @@ def window_scale(
     >>> window_scale([3, 5], None, 2, "cpu")
     (8.0, 0.25)
     """
-    total = torch.tensor([float(sum(counts))], dtype=torch.float64).to(device)
-    if reduce is not None:
-        total = reduce(total)
-    n = float(total[0])
+    n = count_ahead([sum(counts)], reduce, device).sums[0]
     return n, (world / n if n > 0 else math.nan)
 
 
@@ -158,7 +159,7 @@ def scaled(loss_sum: torch.Tensor, scale: float) -> torch.Tensor:
 def close_engine_window(
     engine: Any,
     wing: Wing,
-    local: torch.Tensor,
+    window: WingWindow,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None,
     *,
     count: float,
@@ -169,19 +170,19 @@ def close_engine_window(
 ) -> tuple[Verdict, list[float]]:
     """Step the engine (or clear a skipped stage-0 window) and close the window.
 
-    ``local``: this rank's float64 window sums, the loss sum first; ``reduce`` sums them over
-    the ranks. ``count``: the window's ``N`` (all ranks); ``loss_divisor``: what the summed
-    loss is divided by to give the window's loss (``N``, or ``W`` for shares). ``stepped``:
-    Accelerate's backward has stepped the engine already (ZeRO 1-3 only); ``ran``: a backward
-    ran (a window without items may run none); ``skip``: what the wing's framework needs on a
-    skip besides DeepSpeed's (the Trainer steps its LR scheduler regardless). Returns the
-    verdict and the reduced sums.
+    ``window``: the wing window, its sums summed over the ranks by ``reduce``. ``count``: the
+    window's ``N`` (all ranks); ``loss_divisor``: what the summed loss is divided by to give the
+    window's loss (``N``, or ``W`` for shares). ``stepped``: Accelerate's backward has stepped
+    the engine already (ZeRO 1-3 only); ``ran``: a backward ran (a window without items may run
+    none); ``skip``: what the wing's framework needs on a skip besides DeepSpeed's (the Trainer
+    steps its LR scheduler regardless). Returns the verdict and ``[loss, count, *extras]``.
     """
     stage0 = int(engine.zero_optimization_stage()) == 0
     if stage0 and stepped:
         raise RuntimeError("a ZeRO stage 0 engine was stepped before the window's verdict.")
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None] if stage0 else []
-    *values, sq = read_totals(local, grads, reduce)
+    read = window.read(grads, reduce)
+    values, sq = read.values, read.squared_norm
     applied = False
     if ran and not stage0:
         if not stepped:

@@ -1,26 +1,13 @@
-"""A Trainer wing's window under the Hugging Face Trainer's DeepSpeed integration.
+"""The Trainer wings under a DeepSpeed config (``TrainingArguments(deepspeed=...)``).
 
-With a DeepSpeed config the prepared model is a DeepSpeed engine: ZeRO 2/3 reduce and
-partition each gradient during backward, so no factor can be applied after the window.
-:class:`DeepSpeedTrainerWindow` counts the window when the Trainer reads it (each
-micro-batch's items from ``trainer.exact_count``, summed over the ranks), backpropagates
-``loss_sum · W / N`` through the engine itself (``scale_wrt_gas=False``: DeepSpeed's ``1 / GA``
-off, its average over ``W`` ranks undone; the boundary set on every micro-batch, as
-Accelerate's backward sets it) and closes through
-:func:`fullbatch._wings._deepspeed.close_engine_window`: ``engine.step()`` at ZeRO 1-3, where a
-non-finite loss's NaN scale makes DeepSpeed skip; at stage 0 the gradients are read before the
-step and a skipped window is cleared instead. A window without items (on every rank: the count
-is global) backpropagates nothing and does not step. The Trainer's own ``optimizer.step()`` is
-a no-op (Accelerate's wrapper); with a torch optimizer the LR scheduler is the Trainer's, which
-skips its step only after DeepSpeed's overflow skip (``optimizer_step_was_skipped``), so for a
-window skipped otherwise (stage 0, no items) the schedule is kept and put back
-(:func:`fullbatch.hf._window.keep_schedule`): parameters, optimizer state and LR schedule stay
-as they were.
-
-:func:`check_config` refuses, before training, what cannot be exact: a clip that differs from
-``max_grad_norm`` (a config without ``gradient_clipping`` clips at DeepSpeed's default: 1.0
-since DeepSpeed #8068, 0 before) and what
-:func:`fullbatch._wings._deepspeed.refusal` names.
+:class:`DeepSpeedTrainerWindow` counts the window when the Trainer reads it
+(``trainer.exact_count`` per micro-batch, summed over the ranks), backpropagates
+``loss_sum · W / N`` through the engine and closes through
+:func:`fullbatch._wings._deepspeed.close_engine_window`; a window skipped otherwise than by
+DeepSpeed's overflow check keeps the LR schedule (the Trainer steps its scheduler anyway).
+:func:`check_config` refuses, before training, a clip that differs from ``max_grad_norm`` and
+what :func:`fullbatch._wings._deepspeed.refusal` names. See docs/integrations.md
+("DeepSpeed").
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from typing import Any
 import torch
 
 from fullbatch._base._normalize import check_count
-from fullbatch._base._verdict import Verdict
+from fullbatch._base._schedule import KeptSchedule
 from fullbatch._wings._deepspeed import (
     close_engine_window,
     installed_version,
@@ -39,7 +26,8 @@ from fullbatch._wings._deepspeed import (
     scaled,
     window_scale,
 )
-from fullbatch.hf._window import TrainerWindow, keep_schedule, summed, wing
+from fullbatch._wings._window import WingWindow
+from fullbatch.hf._window import Ended, TrainerWindow, keep_schedule, summed, wing
 
 __all__ = [
     "DeepSpeedTrainerWindow",
@@ -109,25 +97,23 @@ def engine_of(trainer: Any) -> Any:
 class DeepSpeedTrainerWindow(TrainerWindow):
     """A window whose scale ``W / N`` is fixed when the Trainer reads it."""
 
-    def __init__(self, trainer: Any, batches: list[Any]) -> None:
-        super().__init__(trainer, batches)
-        self.counted = [float(check_count(trainer.exact_count(b))) for b in batches]
+    def __init__(self, trainer: Any, batches: list[Any], loss_scale: float = 1.0) -> None:
+        super().__init__(trainer, batches, loss_scale)
+        counted = [float(check_count(trainer.exact_count(b))) for b in batches]
         world = trainer.accelerator.num_processes
-        self.count, self.c = window_scale(self.counted, summed(trainer), world, trainer.args.device)
+        self.count, scale = window_scale(counted, summed(trainer), world, trainer.args.device)
+        self.numbers = WingWindow(scale, device=trainer.args.device, counted=counted)
 
     def backward(
         self, trainer: Any, model: torch.nn.Module, loss_sum: torch.Tensor
-    ) -> Verdict | None:
+    ) -> Ended | None:
         last = self.done == self.size
         if last:  # the one host sync before DeepSpeed steps
-            got = torch.stack(self._stats)[:, 1].tolist()
-            if got != self.counted:
-                raise ValueError(
-                    f"{type(trainer).__name__} under DeepSpeed scales each loss by the window's "
-                    f"count read before the forward (exact_count: {self.counted}), but the "
-                    f"losses held {got} items. Override exact_count(inputs) to count exactly "
-                    "the items exact_loss sums."
-                )
+            self.numbers.check_counted(
+                f"{type(trainer).__name__} under DeepSpeed",
+                "exact_count",
+                "Override exact_count(inputs) to count exactly the items exact_loss sums.",
+            )
         engine = engine_of(trainer)
         # No items on any rank: nothing is backpropagated (an all-ignored loss has an exactly
         # zero gradient, which a NaN scale cannot poison) and the engine does not step.
@@ -136,15 +122,16 @@ class DeepSpeedTrainerWindow(TrainerWindow):
             engine.backward(scaled(loss_sum, self.c), scale_wrt_gas=False)
         if not last:
             return None
+        kept: list[KeptSchedule] = []
         verdict, values = close_engine_window(
             engine,
             wing(trainer),
-            self.local_totals(),
+            self.numbers,
             summed(trainer),
             count=self.count,
             loss_divisor=self.count,
             ran=self.count > 0,
-            skip=lambda _: keep_schedule(trainer, []),  # the Trainer steps its scheduler
+            # the Trainer steps its scheduler: keep the schedule
+            skip=lambda _: kept.append(keep_schedule(trainer, [])),
         )
-        trainer._window_end(values)
-        return verdict
+        return Ended(verdict, values, kept[0] if kept else None)

@@ -150,7 +150,7 @@ class ExactTrainer(Trainer):
         self._fb_window: TrainerWindow | None = None  # the window being run (_window)
         self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
         self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
-        self.add_callback(KeepSchedule(self))
+        self.add_callback(KeepSchedule(self._fb_restore_schedule))
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -183,7 +183,7 @@ class ExactTrainer(Trainer):
         engine steps inside the last backward, it is counted now: :meth:`exact_count`)."""
         batches = list(itertools.islice(epoch_iterator, num_batches))
         opened = DeepSpeedTrainerWindow if self.is_deepspeed_enabled else TrainerWindow
-        self._fb_window = opened(self, batches)
+        self._fb_window = opened(self, batches, self._fb_c)
         return batches, None
 
     def _counts_up_front(self) -> bool:
@@ -208,7 +208,7 @@ class ExactTrainer(Trainer):
         Returns the window's loss (sum over count, all ranks) on its last micro-batch and 0 on
         the others, so the Trainer's logged loss is the mean of true window losses.
         """
-        window = self._fb_window if self._fb_window is not None else TrainerWindow(self, [])
+        window = self._fb_window if self._fb_window is not None else TrainerWindow(self, [], 1.0)
         window.advance(self.accelerator.sync_gradients)  # raises outside a window
         model.train()
         optimizer: Any = self.optimizer
@@ -218,9 +218,16 @@ class ExactTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss_sum, count = self.exact_loss(model, inputs)
         loss_sum, count = self._validated(loss_sum, count)
-        window.record(loss_sum, count, self._micro_stats())
-        verdict = window.backward(self, model, loss_sum)
-        return torch.tensor(0.0 if verdict is None else verdict.loss, device=self.args.device)
+        window.record(loss_sum, count, self.exact_micro_stats())
+        ended = window.backward(self, model, loss_sum)
+        if ended is None:
+            return torch.tensor(0.0, device=self.args.device)
+        self.exact_window_end(ended.values)
+        if ended.kept is not None:
+            self._fb_schedule = ended.kept
+        if ended.verdict.next_loss_scale is not None:
+            self._fb_c = ended.verdict.next_loss_scale
+        return torch.tensor(ended.verdict.loss, device=self.args.device)
 
     def exact_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Any, Any]:
         """The micro-batch's loss *summed* over its items, and how many items that is.
@@ -249,12 +256,19 @@ class ExactTrainer(Trainer):
         assert isinstance(self.fb_loss, str)  # __init__ refuses None without exact_loss
         return _kind_loss(self.fb_loss, outputs, labels, shifted=False)
 
-    def _micro_stats(self) -> list[torch.Tensor]:
-        """Extra per-micro-batch sums (float64, 1-dim) summed over the window and all ranks
-        with the count in one all-reduce; :meth:`_window_end` receives the totals."""
+    def _fb_restore_schedule(self) -> None:
+        """Put back the LR schedule a skipped window kept (after the Trainer's scheduler step)."""
+        kept, self._fb_schedule = self._fb_schedule, None
+        if kept is not None:
+            kept.restore()
+
+    def exact_micro_stats(self) -> list[torch.Tensor]:
+        """A hook for subclasses: extra per-micro-batch sums (float64, 1-dim), summed over the
+        window and all ranks with the count in one all-reduce; :meth:`exact_window_end`
+        receives the totals."""
         return []
 
-    def _window_end(self, totals: list[float]) -> None:
+    def exact_window_end(self, totals: list[float]) -> None:
         """Called once per window with ``[loss_sum, count, *extras]`` over all ranks."""
 
     def _validated(self, loss_sum: Any, count: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,28 +1,13 @@
 """The window of a ``transformers.Trainer`` wing, from ``get_batch_samples`` to its close.
 
-``ExactTrainer`` (and so ``ExactSFTTrainer``, ``ExactDPOTrainer``) opens a window when the
-Trainer's loop reads one (``get_batch_samples``), hands it each micro-batch's summed loss and
-count (:meth:`TrainerWindow.record`) and lets it backpropagate them
-(:meth:`TrainerWindow.backward`); after the last it closes through the one window-close
-(:mod:`fullbatch._wings._close`). Who holds the gradients decides how:
-
-- :class:`TrainerWindow` (one process, DDP, FSDP2 — and an FSDP config that Accelerate runs
-  as DDP on a CPU machine): ``c · loss_sum`` through ``accelerator.backward``, then, after the
-  last backward, every gradient times ``W / (c · N)``: ``W`` is what Accelerate's ``1 / GA``
-  and the wrapper divided by (DDP's ranks; FSDP2's divide factor, read as the Accumulator's
-  FSDP2 route reads it), and an FSDP2 model's squared norm is its shards' summed over the
-  ranks. The Trainer clips and steps afterwards;
-- :class:`fullbatch.hf._deepspeed.DeepSpeedTrainerWindow`: the scale fixed up front.
-
-The Trainer steps the optimizer and the LR scheduler after every window, so a skip is made in
-its terms (:func:`fullbatch._wings._close.skip_framework_step`): every ``.grad`` set to
-``None`` (with a GradScaler and a non-finite gradient, left for the scaler, which skips and
-backs off) and the LR schedule kept in ``trainer._fb_schedule``, put back by
-:class:`KeepSchedule` after the Trainer's scheduler step (``on_step_end``).
-
-The trainer holds ``fb_counters``, ``_fb_c`` and ``_fb_schedule`` as plain attributes and a
-fresh window per window, so ``fullbatch.hf.check_trainer``, which restores them, leaves no
-trace. ``ExactGRPOTrainer`` scales its own losses and uses :func:`end_trainer_window`.
+:class:`TrainerWindow` (one process, DDP, FSDP2) records each micro-batch in a wing window,
+backpropagates ``c · loss_sum`` through ``accelerator.backward`` and, after the last, closes
+it: every gradient times ``W / (c · N)``, ``W`` being Accelerate's ``1 / GA`` times the
+wrapper's division; the Trainer clips and steps afterwards. A skip drops every ``.grad``
+(:func:`keep_schedule`) and returns the LR schedule to put back (:class:`Ended`), which the
+trainer restores after its scheduler step (:class:`KeepSchedule`). A window writes nothing on
+its trainer: ``c``, the kept schedule and the counters are the trainer's plain attributes, so
+``fullbatch.hf.check_trainer``, which restores them, leaves no trace.
 """
 
 from __future__ import annotations
@@ -33,18 +18,21 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync._fsdp import fsdp_divisor, is_fsdp
 from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters, WindowTotals
-from fullbatch._wings._close import Wing, close_window, read_totals, skip_framework_step
+from fullbatch._wings._close import Wing, close_window, skip_framework_step
+from fullbatch._wings._window import WingWindow
 
 __all__ = [
     "THROUGH",
+    "Ended",
     "KeepSchedule",
     "TrainerWindow",
     "WindowCounters",
     "end_trainer_window",
     "keep_schedule",
-    "read_window",
+    "layout",
     "summed",
     "wing",
 ]
@@ -52,6 +40,7 @@ __all__ = [
 # The frameworks between the user's trainer.train() and a Trainer wing's window end.
 THROUGH = ("transformers", "accelerate", "trl", "torch", "deepspeed")
 REPORT = "trainer.fb_counters.skipped_windows"
+COUNT_FIX = "exact_loss must return the number of items its sum holds."
 
 
 def wing(trainer: Any) -> Wing:
@@ -60,27 +49,37 @@ def wing(trainer: Any) -> Wing:
     return Wing(trainer.fb_counters, REPORT, THROUGH, scaler=scaler)
 
 
-def keep_schedule(trainer: Any, params: list[Any], keep_grads: bool = False) -> None:
-    """Skip the Trainer's coming optimizer step (``params``' gradients dropped) and keep its
-    LR schedule, put back after the Trainer's scheduler step by :class:`KeepSchedule`."""
+def keep_schedule(trainer: Any, params: list[Any], keep_grads: bool = False) -> KeptSchedule:
+    """Skip the Trainer's coming optimizer step (``params``' gradients dropped); the LR
+    schedule to put back after the Trainer's scheduler step (:class:`KeepSchedule`)."""
     optimizer = trainer.optimizer
     groups = [] if optimizer is None else optimizer.param_groups
-    trainer._fb_schedule = skip_framework_step(
-        params, [trainer.lr_scheduler], groups, keep_grads=keep_grads
-    )
+    return skip_framework_step(params, [trainer.lr_scheduler], groups, keep_grads=keep_grads)
 
 
-def end_trainer_window(trainer: Any, model: torch.nn.Module, totals: WindowTotals) -> Verdict:
+class Ended:
+    """What a Trainer window's close leaves its trainer: the verdict, the window's
+    ``[loss_sum, count, *extras]`` over all ranks and, after a skip, the schedule to put back."""
+
+    def __init__(self, verdict: Verdict, values: list[float], kept: KeptSchedule | None) -> None:
+        self.verdict, self.values, self.kept = verdict, values, kept
+
+
+def end_trainer_window(
+    trainer: Any, model: torch.nn.Module, totals: WindowTotals
+) -> tuple[Verdict, KeptSchedule | None]:
     """Decide the window, then normalize its gradients (the Trainer clips afterwards), or skip
-    it the Trainer's way."""
+    it the Trainer's way (the schedule to put back is returned)."""
     close = wing(trainer)
     params = list(model.parameters())
+    kept: list[KeptSchedule] = []
 
     def skip(verdict: Verdict) -> None:
-        keep_schedule(trainer, params, close.scaler and verdict.reason == NONFINITE_GRADIENT)
+        grads_kept = close.scaler and verdict.reason == NONFINITE_GRADIENT
+        kept.append(keep_schedule(trainer, params, grads_kept))
 
     grads = [p.grad for p in params if p.grad is not None]
-    return close_window(totals, close, grads, skip)
+    return close_window(totals, close, grads, skip), (kept[0] if kept else None)
 
 
 def _layout(model: torch.nn.Module, world: int) -> tuple[float, float | None]:
@@ -105,25 +104,23 @@ def summed(trainer: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return lambda t: accelerator.reduce(t, reduction="sum")
 
 
-def read_window(
-    trainer: Any, model: torch.nn.Module, local: torch.Tensor
-) -> tuple[list[float], float, float]:
-    """``local`` summed over the processes, the gradients' squared norm and what the wrapper
-    divided them by, read in the window's one host sync."""
-    divisor, copies = _layout(model, trainer.accelerator.num_processes)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    *values, sq = read_totals(local, grads, summed(trainer), shard_copies=copies)
-    return values, sq, divisor
+def layout(trainer: Any, model: torch.nn.Module) -> tuple[float, float | None]:
+    """``(what the wrapper divides the summed gradient by, ranks per gradient shard or None)``."""
+    return _layout(model, trainer.accelerator.num_processes)
 
 
 class TrainerWindow:
-    """One window: its micro-batches' sums, their backward, the close after the last."""
+    """One window: its micro-batches' numbers (a wing window), their backward, the close."""
 
-    def __init__(self, trainer: Any, batches: list[Any]) -> None:
+    def __init__(self, trainer: Any, batches: list[Any], loss_scale: float = 1.0) -> None:
         self.size = len(batches)
         self.done = 0  # micro-batches begun
-        self.c = trainer._fb_c  # the loss constant: a power of two <= 1 / N, on every rank
-        self._stats: list[torch.Tensor] = []
+        # c: a power of two <= 1 / N of the previous window, on every rank
+        self.numbers = WingWindow(loss_scale, device=trainer.args.device)
+
+    @property
+    def c(self) -> float:
+        return self.numbers.loss_scale
 
     @property
     def index(self) -> int:
@@ -149,46 +146,37 @@ class TrainerWindow:
 
     def record(self, loss_sum: torch.Tensor, count: torch.Tensor, extras: list[Any]) -> None:
         """Keep the micro-batch's ``[loss_sum, count, *extras]`` (float64, on the device)."""
-        stats = [loss_sum.detach().double().reshape(1), count.reshape(1), *extras]
-        self._stats.append(torch.cat([s.to(count) for s in stats]))
-
-    def local_totals(self) -> torch.Tensor:
-        return torch.stack(self._stats).sum(0)
+        self.numbers.record(loss_sum, count, extras)
 
     def backward(
         self, trainer: Any, model: torch.nn.Module, loss_sum: torch.Tensor
-    ) -> Verdict | None:
+    ) -> Ended | None:
         """Backpropagate ``c · loss_sum``; after the window's last, close it."""
         trainer.accelerator.backward(loss_sum * self.c)
         return self.close(trainer, model) if self.done == self.size else None
 
-    def close(self, trainer: Any, model: torch.nn.Module) -> Verdict:
-        values, sq, divisor = read_window(trainer, model, self.local_totals())
-        trainer._window_end(values)
-        verdict = end_trainer_window(
-            trainer,
-            model,
-            WindowTotals(
-                loss=values[0],
-                count=values[1],
-                squared_norm=sq,
-                # the wrapper's division, and Accelerate's 1 / GA in accelerator.backward
-                divisor=divisor * trainer.accelerator.gradient_accumulation_steps,
-                loss_scale=self.c,
-            ),
+    def close(self, trainer: Any, model: torch.nn.Module) -> Ended:
+        divisor, copies = layout(trainer, model)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        read = self.numbers.read(grads, summed(trainer), shard_copies=copies, fix=COUNT_FIX)
+        totals = WindowTotals(
+            loss=read.loss,
+            count=read.count,
+            squared_norm=read.squared_norm,
+            # the wrapper's division, and Accelerate's 1 / GA in accelerator.backward
+            divisor=divisor * trainer.accelerator.gradient_accumulation_steps,
+            loss_scale=self.c,
         )
-        if verdict.next_loss_scale is not None:
-            trainer._fb_c = verdict.next_loss_scale
-        return verdict
+        verdict, kept = end_trainer_window(trainer, model, totals)
+        return Ended(verdict, read.values, kept)
 
 
 class KeepSchedule(TrainerCallback):
-    """Put the LR schedule back after the Trainer's scheduler step that followed a skip."""
+    """After the Trainer's scheduler step, call ``restore`` (the trainer's own method, which
+    puts back the LR schedule a skipped window kept)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, restore: Callable[[], None]) -> None:
+        self.restore = restore
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        kept, self.trainer._fb_schedule = self.trainer._fb_schedule, None
-        if kept is not None:
-            kept.restore()
+        self.restore()

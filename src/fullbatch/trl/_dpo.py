@@ -146,7 +146,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             total[0] += value * weight
             total[1] += weight
 
-    def _window_end(self, totals: list[float]) -> None:
+    def exact_window_end(self, totals: list[float]) -> None:
         for key, (weighted, weight) in self._fb_sums.items():
             self._metrics["train"][key].append(weighted / weight if weight > 0 else 0.0)
         self._fb_sums = {}

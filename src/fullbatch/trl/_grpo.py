@@ -1,36 +1,12 @@
 """``ExactGRPOTrainer``: ``trl.GRPOTrainer`` whose every optimizer step is the window's objective.
 
-TRL cuts a generation batch into ``steps_per_generation`` slices and accumulates
-``gradient_accumulation_steps`` of them per optimizer step, normalizing each slice on its own.
-Whenever the two differ, or micro-batches hold different numbers of completion tokens, a step
-weights the window's sequences wrongly (DAPO at ``steps_per_generation=4,
-gradient_accumulation_steps=2``: each window's gradient 12-17% off, measured by
-``benchmarks/integration_grpo.py``). ``ExactGRPOTrainer`` keeps TRL's generation, rewards,
-advantages, per-token losses and metrics, and changes only the normalization:
-
-- when a window starts, it prepares every micro-batch of the window (generating where TRL
-  would generate, in TRL's order) and sums the window's sequences and completion tokens over
-  the micro-batches and the data-parallel ranks (one small all-reduce);
-- each micro-batch's policy term (with the KL term, which TRL adds per token) and its entropy
-  bonus get their own window denominator: sequences for ``grpo``/``sapo``, sequences times
-  ``max_completion_length`` for ``dr_grpo``, tokens for ``dapo``/``cispo`` and for the entropy
-  bonus. The multiplier from TRL's normalization to the window's is applied to the gradient
-  of the log-probabilities and of the entropies (a gradient-only scale), and the returned loss
-  value is corrected to the micro-batch's share of the window objective;
-- the MoE router loss is a statistic of a micro-batch's router load, not a sum over sequences:
-  it keeps TRL's weighting, the mean over the window's micro-batches on all ranks;
-- per-micro-batch metrics (entropy, KL, clip ratios) are merged into one value per window
-  (token-weighted means, window minima and maxima), and ``policy_loss`` is the window's;
-- the window ends through fullbatch's one verdict (``fullbatch._base._verdict``) with these
-  scales kept (the share form: the gradient is already the window's): a window whose objective
-  has no items (``dapo``/``cispo`` with no completion token), a non-finite loss or a
-  non-finite gradient is skipped as ``fb.Accumulator`` skips it, counted in
-  ``trainer.fb_counters``;
-- under DeepSpeed (ZeRO 1-3) the scales are the same (DeepSpeed averages over its ranks as DDP
-  does, and the Trainer turns its ``1 / GA`` off); its engine steps inside the last backward,
-  so a window to skip carries a NaN loss, which DeepSpeed's overflow check skips (Accelerate
-  then skips the Trainer's scheduler step too), and the window closes through
-  ``fullbatch._wings._deepspeed.close_engine_window``.
+TRL normalizes each micro-batch on its own; here the window is prepared and counted when it
+starts (sequences and completion tokens over its micro-batches and ranks: one count-ahead),
+each micro-batch's policy and entropy terms are rescaled to the window's denominator (a
+gradient-only scale, :mod:`fullbatch.trl._grpo_window`), metrics are merged per window, and
+the window ends through the shared verdict in the share form (under DeepSpeed ZeRO 1-3 a
+window to skip carries a NaN loss, which DeepSpeed's overflow check skips). What it does,
+term by term, and what it measures: docs/integrations_grpo.md ("What it does").
 """
 
 from __future__ import annotations
@@ -44,13 +20,8 @@ import torch
 
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._wings._deepspeed import close_engine_window, scaled
-from fullbatch.hf._window import (
-    KeepSchedule,
-    end_trainer_window,
-    read_window,
-    summed,
-    wing,
-)
+from fullbatch._wings._window import WingWindow, count_ahead
+from fullbatch.hf._window import COUNT_FIX, KeepSchedule, end_trainer_window, layout, summed, wing
 from fullbatch.trl._grpo_config import check_config
 from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
 from fullbatch.trl._refuse import reference
@@ -132,10 +103,15 @@ class ExactGRPOTrainer(GRPOTrainer):
         self._fb_position = 0
         self._fb_scales: tuple[float, float] | None = None
         self._fb_captured: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        self._fb_losses: list[torch.Tensor] = []  # this window's loss values, this rank
+        self._fb_numbers = WingWindow()  # this window's loss values, this rank
         self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
         self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
-        self.add_callback(KeepSchedule(self))
+        self.add_callback(KeepSchedule(self._fb_restore_schedule))
+
+    def _fb_restore_schedule(self) -> None:
+        kept, self._fb_schedule = self._fb_schedule, None
+        if kept is not None:
+            kept.restore()
 
     def _training(self) -> bool:
         return bool(getattr(self.model, "training", False))
@@ -169,11 +145,9 @@ class ExactGRPOTrainer(GRPOTrainer):
             rows.append(float(mask.shape[0]))
             tokens.append(float(mask.sum()))
             generation.append(float(inputs["num_items_in_batch"]))
-        local = torch.tensor(rows + tokens, dtype=torch.float64, device=self.accelerator.device)
         world = self.accelerator.num_processes
-        total = self.accelerator.reduce(local, reduction="sum") if world > 1 else local
+        both = count_ahead(rows + tokens, summed(self), self.accelerator.device).sums
         k = len(rows)
-        both = total.tolist()
         return GRPOWindow(rows, tokens, both[:k], both[k:], generation, world=world)
 
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
@@ -194,39 +168,41 @@ class ExactGRPOTrainer(GRPOTrainer):
         window = self._fb_window
         if window is None or not self._training():
             return out
-        self._fb_losses.append(out.detach().double().reshape(1))
+        self._fb_numbers.record(out)
         if not self._fb_queue:  # the window's last micro-batch
             self._end_window(model, window)
         return out
 
     def _end_window(self, model: Any, window: GRPOWindow) -> None:
-        losses, self._fb_losses = self._fb_losses, []
-        local = torch.cat(losses).sum().reshape(1)
+        numbers, self._fb_numbers = self._fb_numbers, WingWindow(device=self.accelerator.device)
         world = self.accelerator.num_processes
         count = window.tokens_total if self.loss_type in TOKEN_LOSSES else window.sequences
         # the values are shares of the window objective times `world` (gradients averaged)
         if self.is_deepspeed_enabled:  # the engine stepped, or skipped a NaN, in the backward
             engine = self.accelerator.deepspeed_engine_wrapped.engine
-            sums = summed(self)
             close_engine_window(
                 engine,
                 wing(self),
-                local,
-                sums,
+                numbers,
+                summed(self),
                 count=count,
                 loss_divisor=world,
                 stepped=True,  # Accelerate's backward; its overflow skip holds the scheduler
             )
             return
-        values, sq, divisor = read_window(self, model, local)
+        divisor, copies = layout(self, model)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        read = numbers.read(grads, summed(self), shard_copies=copies, fix=COUNT_FIX)
         totals = WindowTotals(
-            loss=values[0] / world,
+            loss=read.loss / world,
             count=count,
-            squared_norm=sq,
+            squared_norm=read.squared_norm,
             divisor=divisor / world,  # the scales assumed an average over `world` ranks
             share=True,  # the scales above made each term the window's share
         )
-        end_trainer_window(self, model, totals)
+        _, kept = end_trainer_window(self, model, totals)
+        if kept is not None:
+            self._fb_schedule = kept
 
     # -- the loss -------------------------------------------------------------------------
 

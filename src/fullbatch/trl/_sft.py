@@ -103,11 +103,11 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         """What TRL's fused head counts, before the forward: the causal targets."""
         return target_count(inputs, "causal_lm")
 
-    def _micro_stats(self) -> list[torch.Tensor]:
+    def exact_micro_stats(self) -> list[torch.Tensor]:
         stats, self._fb_stats = self._fb_stats, []
         return [s.detach().double().reshape(1).to(self.args.device) for s in stats]
 
-    def _window_end(self, totals: list[float]) -> None:
+    def exact_window_end(self, totals: list[float]) -> None:
         _, count, entropy, correct, tokens = totals
         metrics = self._metrics["train"]
         metrics["entropy"].append(entropy / count if count > 0 else 0.0)
