@@ -100,7 +100,13 @@ class AppliedGradient(Protocol):
         ...
 
     def unsupported(self) -> str | None:
-        """Why this window's gradient cannot be read whole (said in the report), or None."""
+        """Why this window's gradient cannot be read whole (said in the report), or None.
+        Decided from what is known without reading (no collective)."""
+        ...
+
+    def misread(self) -> str | None:
+        """At ``step()``, after reading (:meth:`applied`'s read, which may be a collective): why
+        the gradient read is not the one the engine measured, or None."""
         ...
 
     def replaying(self) -> AbstractContextManager[None]:
@@ -142,6 +148,9 @@ class Reader:
         return [None] * len(self.params())
 
     def unsupported(self) -> str | None:
+        return None
+
+    def misread(self) -> str | None:
         return None
 
     def replaying(self) -> AbstractContextManager[None]:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fullbatch._probe._applied import Reader, Seen
+from fullbatch._wings._deepspeed import is_deepspeed_engine
 
 __all__ = ["DeepSpeedApplied"]
 
@@ -49,16 +50,8 @@ __all__ = ["DeepSpeedApplied"]
 _NORM_AGREES = 1e-4
 
 
-def _engine_class() -> type | None:
-    engine = sys.modules.get("deepspeed.runtime.engine")
-    return getattr(engine, "DeepSpeedEngine", None)
-
-
 def _engine_of(seen: Seen) -> Any:
-    cls = _engine_class()
-    if cls is None:
-        return None
-    return next((w for w in seen.wrappers if isinstance(w, cls)), None)
+    return next((w for w in seen.wrappers if is_deepspeed_engine(w)), None)
 
 
 def _coefficient(norm: Any, loss_scale: float, max_norm: float) -> Any:
@@ -135,10 +128,12 @@ class DeepSpeedApplied(Reader):
         return len(self._trained)
 
     def unsupported(self) -> str | None:
-        why = self._refused()
-        if why is not None or (self.stage > 0 and self._stepping is None):
-            return why  # a window's first forward: nothing to read yet
-        grads = self._whole()
+        return self._refused()  # decided from the engine's configuration: nothing is read
+
+    def misread(self) -> str | None:
+        if self.stage > 0 and self._stepping is None:
+            return None  # not at a ZeRO step: nothing to read
+        grads = self._whole()  # the read (a collective at ZeRO 1-2)
         got = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
         if self.stage == 0:
             max_norm = float(self.engine.gradient_clipping())

@@ -29,12 +29,12 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
 from fullbatch._probe._frames import find_labels, find_micro
+from fullbatch._wings._deepspeed import is_deepspeed_engine
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
 
-#: Wrappers whose forward only hands the inputs to the module inside them (DeepSpeed's engine
-#: also hooks its output's backward: replayed through it, the probe's backward would run them).
-_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule", "DataParallel", "DeepSpeedEngine")
+#: Lightning's and Fabric's wrappers, whose forward only hands the inputs to the module inside.
+_TRANSPARENT = ("_LightningModuleWrapperBase", "_FabricModule")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 #: Output tensors watched per call at most (a model's outputs may hold its whole KV cache).
 _MAX_WATCHED = 64
@@ -178,7 +178,11 @@ def _wrapper_kind(module: nn.Module) -> str | None:
     """
     if is_ddp(module):
         return "ddp"
-    if type(module).__name__ in _TRANSPARENT:
+    # DataParallel and DeepSpeed's engine hand their inputs on too (the engine also hooks its
+    # output's backward: replayed through it, the probe's backward would run them).
+    if type(module).__name__ in _TRANSPARENT or isinstance(module, nn.DataParallel):
+        return "transparent"
+    if is_deepspeed_engine(module):
         return "transparent"
     children = list(module.children())
     if (

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullbatch._base._sync._fsdp import is_fsdp
+from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
 from fullbatch._probe._call_loss import on_output
 from fullbatch._probe._capture import Call
 from fullbatch._probe._reference import LocalReference, add_into
@@ -55,9 +57,8 @@ def plain(module: nn.Module) -> bool:
         return False
     return not any(
         type(m).__module__.split(".")[0] in _SHARDING
-        or type(m).__module__.startswith("torch.distributed.fsdp")
-        or "FSDP" in type(m).__name__
-        or "FullyShardedDataParallel" in type(m).__name__
+        or is_fsdp(m)  # FSDP2, as the engine tells it
+        or unsupported_wrapper(m) is not None  # FSDP1 and ColossalAI's wrappers
         for m in module.modules()
     )
 
@@ -131,7 +132,7 @@ class EarlyReference:
             return
         if id(module) not in self._plain:
             self._plain[id(module)] = plain(module) and (
-                call.wrapper is None or type(call.wrapper).__name__ == "DistributedDataParallel"
+                call.wrapper is None or is_ddp(call.wrapper)
             )
         if not self._plain[id(module)]:
             return

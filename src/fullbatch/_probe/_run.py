@@ -262,7 +262,7 @@ class Probe:
             ids = {id(p) for p in params}
             others = [p for p in self.sampler_for(mine[0].module).params if id(p) not in ids]
         reader = applied_gradient(Seen(tuple(params), modules, self._outer, tuple(others)))
-        why = reader.unsupported()
+        why = reader.unsupported() or reader.misread()  # decide, then read and check
         if why is None:
             self._last = reader
             return reader
