@@ -1,15 +1,10 @@
 """Exact token-mean accumulation inside MosaicML Composer's own ``Trainer``.
 
-Composer (0.32) accumulates on tokens when asked: with
-``Trainer(accumulate_train_batch_on_tokens=True)`` it asks the train ``DataSpec``'s
-``get_num_tokens_in_batch`` for each micro-batch's ``"loss_generating"`` tokens ``n``, sums them
-over the micro-batches and all-reduces them over the ranks (``N``), and backpropagates each
-micro-batch's loss times ``n · W / N``. With a loss that is the micro-batch's *token mean* over
-exactly those ``n`` tokens, ``S / n``, every step is ``∇(Σ S) / N``: the full batch. It breaks
-silently when the two counts differ: a DataSpec that counts labels without the causal shift
-(0.7-1.4% off in the lab), or padding, or ``-100`` labels the loss skips.
-
-:class:`TokenCounts` gives both from one place and checks them against each other:
+With ``Trainer(accumulate_train_batch_on_tokens=True)`` Composer weighs each micro-batch's
+loss by its share of the window's tokens, which is exact only when the DataSpec's count and
+the loss's count are the same tokens. :class:`TokenCounts` gives both from one place and
+checks them against each other. It does not import Composer. See
+docs/integrations_frameworks.md ("Composer").
 
 .. code-block:: python
 
@@ -22,9 +17,6 @@ silently when the two counts differ: a DataSpec that counts labels without the c
             return counts.loss(outputs.logits, batch)              # {"total": S / n}
 
     Trainer(..., train_dataloader=spec, accumulate_train_batch_on_tokens=True)
-
-This module does not import Composer: it only computes counts and losses (torch and fullbatch's
-core). See ``docs/integrations_frameworks.md``.
 """
 
 from __future__ import annotations

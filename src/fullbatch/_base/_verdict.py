@@ -1,63 +1,12 @@
 """The end of a window, decided once for every wing: step or skip, by how much, who is told.
 
-Every wing that ends a window — the engine (``window.step()``), ``fullbatch.hf.ExactTrainer``
-and the TRL trainers, Lightning's ``ExactAccumulation``, Super-Gradients'
-``fullbatch.super_gradients.ExactTrainer``, ``fullbatch.Pipeline`` — hands the
-window's reduced numbers to :func:`decide` and acts on the :class:`Verdict`; it counts the
-outcome in one :class:`WindowCounters`, which also warns about skips. The arithmetic is in
-:mod:`fullbatch._base._normalize` (``grad_factor``, ``power_of_two_scale``); nothing here
-touches a tensor.
-
-The integration contract (a new framework wing is one module that does this):
-
-What the wing provides, once per window:
-
-1. **The loss constant ``c``** (``WindowTotals.loss_scale``): every count-form loss is
-   backpropagated as ``c · loss_sum``. ``c`` is a power of two ``<= 1/N`` — the previous
-   window's ``Verdict.next_loss_scale`` (1.0, or an estimate agreed over ranks, for the first
-   window), or ``power_of_two_scale(N)`` of this window where ``N`` is known before the first
-   backward (the pipeline) — and identical on every rank.
-2. **The window's totals**, reduced over every micro-batch and every data-parallel rank before
-   :func:`decide`: ``loss`` (the summed loss, ``Σ loss_sum``, *not* multiplied by ``c``; in the
-   share form the sum of the shares), ``count`` (``N``: the items those sums contain; ``None``
-   where only shares exist), and ``squared_norm``: the sum of squares of the gradients as they
-   are accumulated, before any factor, over the whole model (a sharded or pipelined model sums
-   its pieces over ranks; a replicated one — DDP after its all-reduce — uses its own copy).
-   The non-finite flags are these numbers' finiteness: a NaN or inf anywhere in a loss or a
-   gradient makes the sum non-finite, so every rank reaches the same verdict.
-3. **The divisor ``W``** (``WindowTotals.divisor``): what the framework already divided the
-   summed gradient by — DDP's average over its ranks, a framework's own ``loss / K`` (the HF
-   Trainer's and Lightning's accumulation), 1 for a plain sum.
-4. **Acting on the verdict.** Stepped: multiply every gradient by ``factor · clip`` (the wing
-   clips only where it owns clipping: ``max_grad_norm``; the Trainer and Lightning clip after
-   it), let the optimizer step, step the scheduler once, call :meth:`WindowCounters.stepped`.
-   Skipped: parameters, optimizer state and the LR scheduler stay exactly as they were — the
-   engine and the pipeline simply do not step; a framework that steps anyway gets every
-   ``.grad`` set to ``None`` (torch optimizers leave such parameters and their state alone) and
-   its scheduler kept with :class:`fullbatch._base._schedule.KeptSchedule`, restored after the
-   framework's scheduler step. A GradScaler still updates: it must see the non-finite gradient
-   (unscale before the verdict, or leave the gradient for the scaler, which then skips the
-   optimizer and backs off). Then call :meth:`WindowCounters.skipped`, which warns.
-5. **Its framework's packages** (``through=``), so the warning points at the user's line
-   (``trainer.fit(...)``), not at the framework's loop, and the name under which it exposes the
-   counters (``report=``), which the warning quotes.
-
-What the wing may rely on:
-
-- one skip rule: ``N = 0`` (where a count exists), a non-finite loss, or a non-finite gradient,
-  checked in that order; ``Verdict.reason`` is one of :data:`NO_ITEMS`, :data:`NONFINITE_LOSS`,
-  :data:`NONFINITE_GRADIENT`;
-- one scale: ``factor = W / (c · N)`` (count form) or ``W`` (share form), in float64;
-  ``grad_norm`` the norm of the normalized, unclipped gradient; ``clip =
-  min(1, max_grad_norm / (grad_norm + 1e-6))``; ``loss`` the window's ``Σ loss_sum / N`` (NaN for
-  ``N = 0``; the sum of shares in the share form);
-- one warning policy: a ``RuntimeWarning`` with the same text from every wing at the 1st, 2nd,
-  4th, 8th, ... skip;
-- one meaning of the counters: ``steps`` counts optimizer steps taken, ``skipped_windows`` the
-  skipped windows; ``windows`` is their sum.
-
-The GRPO trainer scales each loss term by its own window denominator before backward (the
-share form with a count): it uses this verdict for the skip rule, its own scales for the rest.
+Every wing that ends a window — the engine (``window.step()``) and the framework wings, whose
+wing window (``fullbatch._wings._window``) closes here — hands the window's reduced numbers
+(:class:`WindowTotals`: ``Σ loss_sum``, ``N``, the squared norm, ``W``, ``c``) to
+:func:`decide` and acts on the :class:`Verdict`; it counts the outcome in one
+:class:`WindowCounters`, which also warns about skips. The arithmetic is in
+:mod:`fullbatch._base._normalize`; nothing here touches a tensor. What a wing provides and
+may rely on: docs/wings.md ("Writing a new wing").
 """
 
 from __future__ import annotations
