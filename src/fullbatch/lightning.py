@@ -105,13 +105,10 @@ class ExactAccumulation(CountedSteps, pl.Callback):
             ExactAccumulation callbacks on one Trainer.
         RuntimeError: ``accumulate_grad_batches`` changed inside a window.
 
-    Skips a window as ``fb.Accumulator`` does (``fullbatch._base._verdict``): when it counts
-    zero items, or its loss or gradient is not finite, parameters and optimizer state stay
-    unchanged (every gradient set to ``None``; with a GradScaler, the scaler still backs off),
-    the step-interval LR schedulers Lightning steps after it are restored (learning rates
-    included), and a ``RuntimeWarning`` says so at the 1st, 2nd, 4th, ... skip.
-    Epoch-interval schedulers are Lightning's. ``steps`` counts optimizer steps,
-    ``skipped_windows`` the skips, ``windows`` both (as ``trainer.global_step`` does).
+    A window with no items, a non-finite loss or gradient is skipped as ``fb.Accumulator``
+    skips it (every ``.grad`` dropped, step-interval schedulers restored, a
+    ``RuntimeWarning``). ``steps`` counts optimizer steps, ``skipped_windows`` the skips,
+    ``windows`` both (as ``trainer.global_step`` does).
 
     Example:
         >>> from fullbatch.lightning import ExactAccumulation

@@ -29,7 +29,7 @@ from fullbatch._proof._objective import (
 from fullbatch.hf._deepspeed import DeepSpeedTrainerWindow
 from fullbatch.hf._seq2seq import check_kind, with_decoder_inputs
 from fullbatch.hf._settings import refuse_args
-from fullbatch.hf._window import KeepSchedule, TrainerWindow
+from fullbatch.hf._window import KeepSchedule, TrainerWindow, restored
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "target_count"]
 
@@ -258,9 +258,7 @@ class ExactTrainer(Trainer):
 
     def _fb_restore_schedule(self) -> None:
         """Put back the LR schedule a skipped window kept (after the Trainer's scheduler step)."""
-        kept, self._fb_schedule = self._fb_schedule, None
-        if kept is not None:
-            kept.restore()
+        self._fb_schedule = restored(self._fb_schedule)
 
     def exact_micro_stats(self) -> list[torch.Tensor]:
         """A hook for subclasses: extra per-micro-batch sums (float64, 1-dim), summed over the

@@ -13,6 +13,7 @@ its trainer: ``c``, the kept schedule and the counters are the trainer's plain a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "end_trainer_window",
     "keep_schedule",
     "layout",
+    "restored",
     "summed",
     "wing",
 ]
@@ -57,12 +59,14 @@ def keep_schedule(trainer: Any, params: list[Any], keep_grads: bool = False) -> 
     return skip_framework_step(params, [trainer.lr_scheduler], groups, keep_grads=keep_grads)
 
 
+@dataclass(frozen=True)
 class Ended:
     """What a Trainer window's close leaves its trainer: the verdict, the window's
     ``[loss_sum, count, *extras]`` over all ranks and, after a skip, the schedule to put back."""
 
-    def __init__(self, verdict: Verdict, values: list[float], kept: KeptSchedule | None) -> None:
-        self.verdict, self.values, self.kept = verdict, values, kept
+    verdict: Verdict
+    values: list[float]
+    kept: KeptSchedule | None
 
 
 def end_trainer_window(
@@ -82,9 +86,10 @@ def end_trainer_window(
     return close_window(totals, close, grads, skip), (kept[0] if kept else None)
 
 
-def _layout(model: torch.nn.Module, world: int) -> tuple[float, float | None]:
+def layout(trainer: Any, model: torch.nn.Module) -> tuple[float, float | None]:
     """``(what the wrapper divides the summed gradient by, ranks per gradient shard or None
     for a replicated gradient)``."""
+    world = trainer.accelerator.num_processes
     if is_fsdp(model):
         return fsdp_divisor(model)
     if world > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -102,11 +107,6 @@ def summed(trainer: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if accelerator.num_processes == 1:
         return None
     return lambda t: accelerator.reduce(t, reduction="sum")
-
-
-def layout(trainer: Any, model: torch.nn.Module) -> tuple[float, float | None]:
-    """``(what the wrapper divides the summed gradient by, ranks per gradient shard or None)``."""
-    return _layout(model, trainer.accelerator.num_processes)
 
 
 class TrainerWindow:
@@ -169,6 +169,13 @@ class TrainerWindow:
         )
         verdict, kept = end_trainer_window(trainer, model, totals)
         return Ended(verdict, read.values, kept)
+
+
+def restored(kept: KeptSchedule | None) -> KeptSchedule | None:
+    """Put ``kept`` back (if any); what the trainer keeps next: nothing."""
+    if kept is not None:
+        kept.restore()
+    return None
 
 
 class KeepSchedule(TrainerCallback):

@@ -21,7 +21,15 @@ import torch
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._wings._deepspeed import close_engine_window, scaled
 from fullbatch._wings._window import WingWindow, count_ahead
-from fullbatch.hf._window import COUNT_FIX, KeepSchedule, end_trainer_window, layout, summed, wing
+from fullbatch.hf._window import (
+    COUNT_FIX,
+    KeepSchedule,
+    end_trainer_window,
+    layout,
+    restored,
+    summed,
+    wing,
+)
 from fullbatch.trl._grpo_config import check_config
 from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
 from fullbatch.trl._refuse import reference
@@ -109,9 +117,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         self.add_callback(KeepSchedule(self._fb_restore_schedule))
 
     def _fb_restore_schedule(self) -> None:
-        kept, self._fb_schedule = self._fb_schedule, None
-        if kept is not None:
-            kept.restore()
+        self._fb_schedule = restored(self._fb_schedule)
 
     def _training(self) -> bool:
         return bool(getattr(self.model, "training", False))
