@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fullbatch._base._close import Wing, close_window
-from fullbatch._base._normalize import power_of_two_scale, squared_norm
+from fullbatch._base._normalize import power_of_two_scale
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
 from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals
@@ -87,7 +87,8 @@ class Pipeline(CountedSteps):
         optimizer: the optimizer over this rank's stage parameters.
         count: items of one target (the last stage's labels); default: labels != -100.
         dp_group: ranks holding the same stages with other data; their gradients are summed
-            once per window. ``None``: a single pipeline.
+            once per window. ``None``: a single pipeline, or stages ``fully_shard``'ed over
+            the data-parallel ranks (FSDP2 reduces them; fullbatch undoes its average).
         group: every rank of the job (all stages, all data-parallel ranks); default: world.
         max_grad_norm: clip the total norm over all stages.
         scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
@@ -144,7 +145,7 @@ class Pipeline(CountedSteps):
         self.optimizer = optimizer
         self.loss = loss
         self._count = count or _labels
-        self._comm = PipelineComm(group, dp_group)
+        self._comm = PipelineComm(group, dp_group, [s.submod for s in _stages(schedule)])
         self._last = any(getattr(s, "is_last", False) for s in _stages(schedule))
         self._max_grad_norm = max_grad_norm
         self._scheduler = scheduler
@@ -219,14 +220,14 @@ class PipelineWindow:
         pipe._comm.sum_grads(grads)
         if pipe.scaler is not None:
             pipe.scaler.unscale_(pipe.optimizer)  # after the DP sum: an inf reaches every rank
-        # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm.
-        sq = float(squared_norm(grads, torch.device("cpu"))) / pipe._comm.dp_world
+        sq = pipe._comm.norm_share(grads)  # each rank's share: summed, the full norm
         mine = float(sum(float(t) for t in self._losses)) if pipe._last else 0.0
         loss, sq = pipe._comm.sum([mine, sq])  # the window's Σ loss_sum, the squared norm
         totals = WindowTotals(
             loss=loss,
             count=self.count,
             squared_norm=sq,
+            divisor=pipe._comm.divisor,  # FSDP2 stages: its average over the DP ranks
             loss_scale=self.loss_scale,
             max_grad_norm=pipe._max_grad_norm,
         )
