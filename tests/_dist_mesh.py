@@ -1,5 +1,6 @@
-"""Rank functions for composed meshes: tensor parallelism alone (2 ranks) and FSDP2 x TP on a
-2 x 2 ("dp", "tp") mesh (4 ranks), every case of a world in ONE process group.
+"""Rank functions for composed meshes: tensor parallelism alone (2 ranks), FSDP2 x TP on a
+2 x 2 ("dp", "tp") mesh and HSDP x TP on a 2 x 1 x 2 ("rep", "shard", "tp") mesh (4 ranks),
+every case of a world in ONE process group.
 
 The model is ``make_model`` (Linear, Tanh, Linear) with ColwiseParallel on the first Linear
 and RowwiseParallel on the second, whose bias stays replicated over "tp": the norm must count
@@ -34,6 +35,11 @@ FSDP_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **CASES,
     "micro_batch-clip": ("sgd", {"max_grad_norm": 0.2, "fsdp_sync": "micro_batch"}),
     "named-clip": ("sgd", {"max_grad_norm": 0.2, "data_mesh_dims": ("dp",)}),
+}
+
+HSDP_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "hsdp-hybrid-clip": ("sgd", {"max_grad_norm": 0.2}),
+    "hsdp-window-adamw-clip": ("adamw", {"max_grad_norm": 0.2, "fsdp_sync": "window"}),
 }
 
 
@@ -145,4 +151,11 @@ def fsdp_tp_cases(rank: int, world: int) -> dict[str, Any]:
     out["named-wrong"] = _refused(
         lambda: fb.Accumulator(model, opt, micro_batches=K, data_mesh_dims=("tp",))
     )
+    # HSDP x TP: replicate over "rep" (the data index), one shard, TP on "tp". The parameters
+    # are 3-D DTensors replicated over "rep": each replica adds half its squared norm.
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
+    groups3 = {"rep": mesh3.get_group("rep"), "tp": mesh3.get_group("tp")}
+    for name, (opt_kind, options) in HSDP_CASES.items():
+        model = fully_shard(_tp(make_model(), mesh3["tp"]), mesh=mesh3["rep", "shard"])
+        out[name] = _train(model, opt_kind, options, data, groups3)
     return out

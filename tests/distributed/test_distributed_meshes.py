@@ -1,7 +1,8 @@
-"""Composed meshes on gloo CPU ranks: tensor parallelism alone (2 ranks) and FSDP2 on "dp" x
-TP on "tp" (2 x 2, 4 ranks), each world's cases in one process group. Every rank after every
-step against a float64 full batch (uneven items over "dp", with and without a clip that
-bites), the count and norm reported, and fullbatch's collectives counted per window."""
+"""Composed meshes on gloo CPU ranks: tensor parallelism alone (2 ranks), FSDP2 on "dp" x
+TP on "tp" (2 x 2) and HSDP x TP (2 x 1 x 2, 4 ranks), each world's cases in one process
+group. Every rank after every step against a float64 full batch (uneven items over the data
+ranks, with and without a clip that bites), the count and norm reported, and fullbatch's
+collectives counted per window."""
 
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ def test_fsdp2_x_tensor_parallel_is_the_full_batch_on_every_rank(fsdp_tp: list, 
             assert counts["ar:world"] == 1, counts
             assert counts["rs:dp"] == (stats.micro_batches if per_micro else 1), counts
             assert "ar:dp" not in counts and "rs:tp" not in counts and "ar:tp" not in counts
+
+
+@pytest.mark.parametrize("name", list(cases.HSDP_CASES))
+def test_hsdp_x_tensor_parallel_is_the_full_batch_on_every_rank(fsdp_tp: list, name: str) -> None:
+    opt, options = cases.HSDP_CASES[name]
+    _check(fsdp_tp, name, opt, options, dp=2)
+    for res in fsdp_tp:
+        assert res[name]["divisor"] == 2.0  # replicate x shard, not x "tp"
+        for counts in res[name]["counts"]:
+            assert counts["ar:world"] == 1, counts  # the one reduction, over every rank
+            assert "ar:tp" not in counts and "rs:tp" not in counts, counts
 
 
 def test_data_mesh_dims_naming_a_model_dim_is_refused(tp: list, fsdp_tp: list) -> None:
