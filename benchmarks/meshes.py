@@ -183,7 +183,9 @@ def run_hand(world: int, clip: float | None, hand: str, probe: bool) -> Any:
 def _unsupported(reason: str) -> str:
     """ "unsupported" and the reason's first words (the probe's own prefix dropped)."""
     reason = reason.removeprefix("unsupported: ").split(":")[0].split(" (")[0]
-    return f"unsupported ({reason[:48]})"
+    if len(reason) > 48:
+        reason = reason[:48].rsplit(" ", 1)[0] + " ..."
+    return f"unsupported ({reason})"
 
 
 def table_rank(rank: int, world: int, store: str, queue: Any) -> None:
@@ -278,12 +280,16 @@ def cost(worlds: tuple[int, ...]) -> None:
         rows[world] = (fb_us, hand_us)
         print(f"| {world} | {fb_us:.0f} | {hand_us:.0f} |")
     # A model, not a measurement: a tiny all-reduce is latency-bound, one latency per hop;
-    # a ring takes 2 (P - 1) hops, a tree 2 log2(P). The hop latency is read off 2 ranks (2
-    # hops either way); the blocking read adds the same host wait at any P.
+    # a ring takes 2 (P - 1) hops, a tree 2 log2(P). The hop latency is read off the first
+    # row (2 ranks: 2 hops either way). On a GPU the blocking read also waits for the device
+    # queue (the tail of the window's last backward); CPU ranks have no queue to wait for.
     fb_us, hand_us = rows[worlds[0]]
     hop = hand_us / 2
-    print(f"\nmodel (not measured): hop latency {hop:.0f} us (from {worlds[0]} ranks); host wait")
-    print(f"of the blocking read {fb_us - hand_us:.0f} us per window at any P")
+    print(f"\nmodel (not measured): one tiny all-reduce per window either way, {hop:.0f} us per")
+    extra = fb_us - hand_us
+    print(
+        f"hop (read off {worlds[0]} ranks); fullbatch's blocking read measured {extra:.0f} us more"
+    )
     print("| P | ring 2(P-1) hops (ms) | tree 2 log2(P) hops (ms) |")
     print("|---|---|---|")
     for p in (8, 64, 256):
