@@ -17,5 +17,15 @@
 
 from fullbatch._base._sync._base import Sync, all_reduce_over, sum_over_ranks
 from fullbatch._base._sync._make import DdpSync, FsdpSync, SyncPlan
+from fullbatch._base._sync._mesh import MeshFacts, mesh_facts
 
-__all__ = ["DdpSync", "FsdpSync", "Sync", "SyncPlan", "all_reduce_over", "sum_over_ranks"]
+__all__ = [
+    "DdpSync",
+    "FsdpSync",
+    "MeshFacts",
+    "Sync",
+    "SyncPlan",
+    "all_reduce_over",
+    "mesh_facts",
+    "sum_over_ranks",
+]
