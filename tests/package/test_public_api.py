@@ -99,6 +99,7 @@ ACCUMULATOR_OPTIONS = {
         "grad_divisor": None,
         "process_group": None,
         "context_parallel": None,
+        "data_mesh_dims": None,  # composed meshes: the data dims, discovered by default
     },
     "The step": {
         "scheduler": None,

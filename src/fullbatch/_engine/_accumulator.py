@@ -127,6 +127,12 @@ class Accumulator:
             (context parallelism). Each rank counts the items it holds; counts are summed
             over data-parallel x context-parallel ranks, and gradients over the CP group at
             ``step()`` unless the wrapper's group already contains it.
+        data_mesh_dims: on a composed ``DeviceMesh`` (tensor parallelism beside FSDP2), the
+            names of the parameters' mesh dims that hold different items, e.g. ``("dp",)``.
+            Not needed: they are discovered (FSDP2's and DDP's meshes and groups are data
+            dims; every other dim of a DTensor parameter's mesh is a model dim, whose ranks
+            hold the same items). Given, it pins that layout: ``ValueError`` when the
+            wrapper reduces over other dims.
 
     **The step**:
 
@@ -189,6 +195,7 @@ class Accumulator:
         grad_divisor: float | None = None,
         process_group: Any = None,
         context_parallel: Any = None,
+        data_mesh_dims: tuple[str, ...] | None = None,
         # the step
         scheduler: Any = None,
         scaler: Any = None,
@@ -218,6 +225,7 @@ class Accumulator:
             grad_divisor=grad_divisor,
             process_group=process_group,
             context_parallel=context_parallel,
+            data_mesh_dims=data_mesh_dims,
         )
         step_plan = StepPlan(
             scheduler=scheduler,

@@ -79,8 +79,9 @@ def read_numbers(
     zero = torch.zeros((), dtype=dtype, device=device)
     summed = [zero] * _SUMMED
     loss, counts, bad = state.sums(device, dtype)
-    summed[_LOSS] = loss
-    summed[_COUNT] = counts + state.count_py
+    if sync.counts_here:  # model ranks beyond a mesh's first hold the same items
+        summed[_LOSS] = loss
+        summed[_COUNT] = counts + state.count_py
     summed[_BAD_COUNT] = bad
     # The replicated slots hold device values only where there are some (Python numbers
     # need no read): the norm, the GradScaler's scale, a tensor learning rate.
@@ -89,8 +90,9 @@ def read_numbers(
     # after the read: unscale_ comes after the verdict, so a refused window leaves the
     # scaler as it was).
     if sync.sharded:
-        # Ranks holding the same shard (HSDP replicas) each add their share.
-        summed[_SHARD_SQ] = squared_norm(grads, device) / sync.norm_copies
+        # Ranks holding the same piece (HSDP replicas, a tensor-parallel Replicate dim) each
+        # add their share.
+        summed[_SHARD_SQ] = sync.norm_share(grads, device)
     elif norm and grads:
         local[_LOCAL_SQ] = squared_norm(grads, device)
     # The form is agreed over ranks: a rank without micro-batches made no call at all.
@@ -104,8 +106,8 @@ def read_numbers(
     if lr is not None:
         local[_LR] = lr.detach().to(device, dtype)
     reduced = torch.stack(summed)
-    if sync.group is not None:
-        reduced = sync.all_reduce_sum(reduced)
+    if sync.step_group is not None:  # over data x model ranks on a composed mesh
+        reduced = sync.all_reduce_sum(reduced, step=True)
     if local:
         reduced = torch.cat([reduced, torch.stack(list(local.values()))])
     values = reduced.tolist()  # the one read
@@ -120,7 +122,7 @@ def pair_discard(engine: Engine) -> None:
     device = engine.stat_device
     summed = torch.zeros(_SUMMED, dtype=accumulation_dtype(device), device=device)
     summed[_DISCARDED] = 1
-    engine.sync.all_reduce_sum(summed)
+    engine.sync.all_reduce_sum(summed, step=True)
 
 
 def _lr_tensor(engine: Engine) -> torch.Tensor | None:

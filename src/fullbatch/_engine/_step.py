@@ -159,5 +159,5 @@ def discard_window(engine: Engine, state: WindowState) -> None:
     """``window.discard()``: end the window; under DDP/FSDP2 pair with the others' step."""
     state.feed.fill()  # the window's unread micro-batches go with it: boundaries stay put
     end_window(engine, state, Phase.DISCARDED)
-    if engine.sync.group is not None:
+    if engine.sync.step_group is not None:
         pair_discard(engine)  # pairs with the others' step or discard

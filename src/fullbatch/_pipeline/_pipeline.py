@@ -79,7 +79,8 @@ class Pipeline(CountedSteps):
         optimizer: the optimizer over this rank's stage parameters.
         count: items of one target (the last stage's labels); default: labels != -100.
         dp_group: ranks holding the same stages with other data; their gradients are summed
-            once per window. ``None``: a single pipeline.
+            once per window. ``None``: a single pipeline, or stages ``fully_shard``'ed over
+            the data-parallel ranks (FSDP2 reduces them; fullbatch undoes its average).
         group: every rank of the job (all stages, all data-parallel ranks); default: world.
         max_grad_norm: clip the total norm over all stages.
         scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
@@ -136,7 +137,7 @@ class Pipeline(CountedSteps):
         self.optimizer = optimizer
         self.loss = loss
         self._count = count or _labels
-        self._comm = PipelineComm(group, dp_group)
+        self._comm = PipelineComm(group, dp_group, [s.submod for s in _stages(schedule)])
         self._last = any(getattr(s, "is_last", False) for s in _stages(schedule))
         self._max_grad_norm = max_grad_norm
         self._scheduler = scheduler
@@ -221,9 +222,9 @@ class PipelineWindow:
         pipe._comm.sum_grads(grads)
         if pipe.scaler is not None:
             pipe.scaler.unscale_(pipe.optimizer)  # after the DP sum: an inf reaches every rank
-        # After the DP sum, DP ranks hold equal gradients: each adds its share of the norm;
-        # the window's Σ loss_sum comes from the last stage's ranks.
-        read = self._numbers.read(grads, pipe._sum, shard_copies=pipe._comm.dp_world)
+        # Each rank adds its share of the norm (DP replicas 1/DP each, FSDP2 stages their own
+        # shards); the window's Σ loss_sum comes from the last stage's ranks.
+        read = self._numbers.read(grads, pipe._sum, shard_copies=pipe._comm.shard_copies)
         wing = Wing(
             pipe.counters,
             "pipe.skipped_windows and stats.skipped_windows",
@@ -232,7 +233,12 @@ class PipelineWindow:
         )
         # scaled by W / (c·N) and the clip
         verdict = self._numbers.close(
-            read, wing, grads, count=self.count, max_grad_norm=pipe._max_grad_norm
+            read,
+            wing,
+            grads,
+            count=self.count,
+            divisor=pipe._comm.divisor,  # FSDP2 stages: its average over the DP ranks
+            max_grad_norm=pipe._max_grad_norm,
         )
         if not verdict.skipped:
             if pipe.scaler is not None:

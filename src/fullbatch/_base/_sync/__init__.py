@@ -6,6 +6,9 @@
 - ``_fsdp``: FSDP2 over a 1-D mesh or a 2-D (replicate, shard) HSDP mesh
   (``fsdp_sync="window"``, ``"micro_batch"``, ``"hybrid"``);
 - ``_context``: context-parallel ranks beside the data-parallel wrapper;
+- ``_mesh``: :class:`MeshFacts`, which dims of a composed ``DeviceMesh`` carry data and which
+  carry model (tensor-parallel) pieces: who counts items, the window's reduction group, and
+  each gradient piece's share of the norm;
 - ``_make``: :class:`SyncPlan`, the sync options parsed once, which picks the kind for a model;
 - ``_pipeline``: the sums of :class:`fullbatch.Pipeline` windows;
 - ``_probe``: what :func:`fullbatch.probe` asks of ``torch.distributed`` (the wrapper around a
@@ -14,5 +17,15 @@
 
 from fullbatch._base._sync._base import Sync, all_reduce_over, sum_over_ranks
 from fullbatch._base._sync._make import DdpSync, FsdpSync, SyncPlan
+from fullbatch._base._sync._mesh import MeshFacts, mesh_facts
 
-__all__ = ["DdpSync", "FsdpSync", "Sync", "SyncPlan", "all_reduce_over", "sum_over_ranks"]
+__all__ = [
+    "DdpSync",
+    "FsdpSync",
+    "MeshFacts",
+    "Sync",
+    "SyncPlan",
+    "all_reduce_over",
+    "mesh_facts",
+    "sum_over_ranks",
+]

@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullbatch._base._normalize import squared_norm
+from fullbatch._base._sync._mesh import MeshFacts
+
 __all__ = ["Sync", "all_reduce_over", "sum_over_ranks", "sum_tensors"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
@@ -48,12 +51,40 @@ class Sync:
     # Context parallelism beside the wrapper: ranks holding other pieces of the same rows,
     # whose gradients fullbatch sums at step() (None: the wrapper's group already does).
     context_group: Any = None
+    # A composed mesh: tensor-parallel (model) dims beside the data dims (None: none). Set by
+    # ``attach_mesh``; the window's one reduction then runs over ``step_group``.
+    mesh: MeshFacts | None = None
 
     def __init__(self, model: nn.Module) -> None:
         # Any: the wrapper's own attributes (DDP's flags, FSDP2's setters) are not part of
         # nn.Module's static interface.
         self.model: Any = model
         self._last_work: Any = None
+        self._step_group: Any = None
+
+    def attach_mesh(self, facts: MeshFacts, group: Any) -> None:
+        """Count over the data ranks, reduce the window's numbers over ``group`` (data x
+        model ranks): the gradients are pieces, so their norm is a sum over ranks."""
+        self.mesh = facts
+        self._step_group = group
+        self.sharded = True
+
+    @property
+    def step_group(self) -> Any:
+        """The group of the window's one reduction (the counting group without model dims)."""
+        return self._step_group if self._step_group is not None else self.group
+
+    @property
+    def counts_here(self) -> bool:
+        """Whether this rank's counts and loss sums enter the reduction (model ranks other
+        than the first hold the same items)."""
+        return self.mesh is None or self.mesh.counts_here
+
+    def norm_share(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """This rank's share of the squared gradient norm summed over ``step_group``."""
+        if self.mesh is not None:
+            return self.mesh.norm_share(grads, device)
+        return squared_norm(grads, device) / self.norm_copies
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective and keep its handle until the next one.
@@ -79,7 +110,8 @@ class Sync:
     @property
     def device(self) -> torch.device:
         """Where collective tensors must live (NCCL needs CUDA)."""
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
+        group = self.step_group
+        if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -127,11 +159,13 @@ class Sync:
         without the host waiting for the device queue (a blocking copy would)."""
         return tensor.to(self.device, non_blocking=self.device.type != "cpu")
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
+    def all_reduce_sum(self, tensor: torch.Tensor, *, step: bool = False) -> torch.Tensor:
+        """``tensor`` summed over the counting group (``step=True``: over ``step_group``)."""
+        group = self.step_group if step else self.group
+        if group is None:
             return tensor
         moved = self._to_device(tensor)
-        self._wait(dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._wait(dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return moved.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,16 @@ FSDP_SYNC_MODES: tuple[str, ...] = get_args(FsdpSync)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:
-    """The device mesh of the model's DTensor parameters (ValueError if it has none)."""
+    """FSDP2's own data-parallel mesh (1-D shard or 2-D replicate x shard; ValueError if the
+    model has no DTensor parameters).
+
+    Read from FSDP2's parameter groups (``mesh_info.mesh``): under FSDP2 x tensor parallelism
+    a parameter's mesh also has the model dims (``(dp, tp)``), which FSDP2 does not reduce
+    over. Without parameter groups, the parameters' mesh.
+    """
+    meshes = [g.mesh_info.mesh for g in _param_groups(model) if hasattr(g, "mesh_info")]
+    if meshes:
+        return meshes[0]
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
     if mesh is None:
         raise ValueError("the FSDP2 model has no DTensor parameters: call fully_shard first.")

@@ -14,6 +14,7 @@ from fullbatch._base._sync._base import Sync
 from fullbatch._base._sync._context import attach_context_parallel
 from fullbatch._base._sync._ddp import DDP_SYNC_MODES, DDPSync, DdpSync
 from fullbatch._base._sync._fsdp import FSDP_SYNC_MODES, FSDPSync, FsdpSync, is_fsdp
+from fullbatch._base._sync._mesh import dtensor_meshes, mesh_facts, step_group
 from fullbatch._base._versions import check_fsdp2_device
 from fullbatch._base._warn import warn
 
@@ -38,6 +39,9 @@ class SyncPlan:
         grad_divisor: what a custom DDP comm hook (or FSDP2 divide factor) divides by.
         process_group: checked against the wrapper's group.
         context_parallel: the context-parallel group beside the wrapper.
+        data_mesh_dims: the dims of the DTensor parameters' mesh that hold different items,
+            checked against what the wrapper reduces over (``None``: discovered). Every
+            other dim of that mesh is a model (tensor-parallel) dim.
 
     >>> SyncPlan(ddp_sync="first")
     Traceback (most recent call last):
@@ -51,8 +55,17 @@ class SyncPlan:
     grad_divisor: float | None = None
     process_group: Any = None
     context_parallel: Any = None
+    data_mesh_dims: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        dims = self.data_mesh_dims
+        if dims is not None:
+            if isinstance(dims, str) or not all(isinstance(d, str) for d in dims):
+                raise ValueError(
+                    f"data_mesh_dims must be a tuple of mesh dim names, got {dims!r}; e.g. "
+                    "data_mesh_dims=('dp',)."
+                )
+            object.__setattr__(self, "data_mesh_dims", tuple(dims))
         if self.ddp_sync is not None:
             _check_mode("ddp_sync", self.ddp_sync, DDP_SYNC_MODES)
         if self.fsdp_sync is not None:
@@ -72,17 +85,38 @@ class SyncPlan:
                 ``context_parallel`` group that does not fit, or a model whose ``.module``
                 is the DDP/FSDP2 model (pass ``model.module``).
         """
-        return _make(model, self, auto)
+        sync, wrapper = _make(model, self, auto)
+        _attach_mesh(sync, model, wrapper, self.data_mesh_dims)
+        return sync
 
 
-def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> Sync:
+def _attach_mesh(sync: Sync, model: nn.Module, wrapper: str, named: Any) -> None:
+    """Model (tensor-parallel) dims beside the data dims: count over the data ranks, reduce
+    the window's numbers over data x model ranks (:mod:`._mesh`)."""
+    if named is None and not any(hasattr(p, "device_mesh") for p in model.parameters()):
+        return  # no DTensor parameters: nothing to ask
+    data = dist.get_process_group_ranks(sync.group) if sync.group is not None else []
+    facts = mesh_facts(list(model.parameters()), data, wrapper=wrapper, data_mesh_dims=named)
+    if facts is None:
+        return
+    if sync.context_group is not None:
+        raise ValueError(
+            "context_parallel= ranks beside the wrapper with tensor-parallel parameters: "
+            "fullbatch does not combine the two. Flatten the context dim into FSDP2's mesh, "
+            "fully_shard(model, mesh=mesh['dp', 'cp']._flatten()), as torchtitan does."
+        )
+    sync.attach_mesh(facts, step_group(facts, sync.group))
+
+
+def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> tuple[Sync, str]:
+    """The Sync for ``model`` and the wrapper's name (for messages)."""
     process_group, context_parallel = plan.process_group, plan.context_parallel
     sync: Sync
     if isinstance(model, DistributedDataParallel):
-        sync = DDPSync(model, plan.ddp_sync, plan.grad_divisor, auto=auto)
+        sync, wrapper = DDPSync(model, plan.ddp_sync, plan.grad_divisor, auto=auto), "DDP"
     elif is_fsdp(model):
         check_fsdp2_device(model)  # FSDP2 on CPU needs torch >= 2.7
-        sync = FSDPSync(model, plan.fsdp_sync, plan.grad_divisor)
+        sync, wrapper = FSDPSync(model, plan.fsdp_sync, plan.grad_divisor), "FSDP2"
     else:
         sync = Sync(model)
         inner = getattr(model, "module", None)
@@ -96,7 +130,12 @@ def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> Sync:
                 "fb.Accumulator(model.module, optimizer, ...), and keep calling model(...) if "
                 "its forward calls model.module."
             )
-        elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        elif (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+            and not _tensor_parallel_world(model)
+        ):
             warn(
                 "a process group is initialized but the model is neither DDP-wrapped nor "
                 "fully_shard'ed: fullbatch counts items on this rank only (W = 1). Wrap the "
@@ -110,7 +149,7 @@ def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> Sync:
             )
         if context_parallel is not None:
             attach_context_parallel(sync, context_parallel)  # raises: nothing to count over
-        return sync
+        return sync, "no wrapper"
     if process_group is not None and process_group != sync.group:
         ranks = dist.get_process_group_ranks(sync.group)
         raise ValueError(
@@ -120,4 +159,11 @@ def _make(model: nn.Module, plan: SyncPlan, auto: str | None) -> Sync:
         )
     if context_parallel is not None:
         attach_context_parallel(sync, context_parallel)
-    return sync
+    return sync, wrapper
+
+
+def _tensor_parallel_world(model: nn.Module) -> bool:
+    """Whether the model's DTensor parameters span every rank (tensor parallelism alone: the
+    ranks hold pieces of one model over the same items, nothing to count over)."""
+    meshes = dtensor_meshes(list(model.parameters()))
+    return bool(meshes) and max(m.size() for m in meshes) == dist.get_world_size()
