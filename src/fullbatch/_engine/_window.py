@@ -14,6 +14,7 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
 from fullbatch._engine._run import abandon_locally, run_window
 from fullbatch._engine._state import Phase, WindowState
+from fullbatch._engine._stats_pass import window_stats
 from fullbatch._engine._step import discard_window, step_window
 from fullbatch._engine._verify_pack import refuse_coupled
 
@@ -130,6 +131,23 @@ class Window:
             )
         self._state.totals_read = True
         return dict(self._state.totals)
+
+    def stats(
+        self, fn: Callable[[Any], Any], *, reduce: str = "sum", key: str | None = None
+    ) -> Any:
+        """A window statistic: ``fn`` on every micro-batch of the window and every rank, once,
+        before the first backward, without gradients (a pre-pass; docs/moe.md).
+
+        ``reduce="sum"``: ``fn``'s tensors (a tensor, or a dict/tuple of them) summed over
+        micro-batches and ranks, in float64; ``"cat"``: concatenated along dim 0, ranks in
+        order (the same on every rank). Kept under ``key`` (default: ``fn``'s name and line):
+        a second call, an "auto" retry or a resumed window returns it without a pre-pass.
+        ``stats.stats_seconds`` reports the pre-pass time. Example::
+
+            counts = window.stats(lambda m: fb.moe.router_counts(
+                model(**m, output_router_logits=True).router_logits, top_k=2))
+        """
+        return window_stats(self, fn, reduce=reduce, key=key)
 
     # -- backward --------------------------------------------------------------------------
 
