@@ -230,3 +230,15 @@ def test_bad_returns_and_reductions_raise() -> None:
         got = window.stats(lambda m: {"s": m["x"].sum()})
         assert got["s"].item() == 4.0 and got["s"].dtype == torch.float64
         window.discard()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_reports_each_choice(family: str) -> None:
+    model = make_moe(family)
+    report = fb.verify(model, moe_rows(LENGTHS, seed=6), None, micro_batch_size=2, moe=True)
+    errors = list(report.errors.values())
+    assert report.passed and errors[0] < 1e-12, str(report)
+    assert errors[1] > 1e-6 and errors[2] > 1e-6  # running mean and stock are measurably off
+    assert "running mean" in str(report) and "per micro-batch (stock)" in str(report)
+    with pytest.raises(ValueError, match="loss_fn=None"):
+        fb.verify(model, moe_rows(LENGTHS), lambda m, b: b, micro_batch_size=2, moe=True)
