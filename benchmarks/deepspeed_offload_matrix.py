@@ -1,7 +1,7 @@
 """Which ZeRO ``offload_optimizer`` configurations the installed deepspeed accumulates exactly.
 
-Why ``fullbatch.deepspeed`` refuses what it refuses (``fullbatch._deepspeed.refusal``): for ZeRO
-stages 1 and 2 with ``offload_optimizer: cpu``, 1 and 2 ranks, the engine's
+Why ``fullbatch.deepspeed`` refuses what it refuses (``fullbatch._wings._deepspeed.refusal``): for
+ZeRO stages 1 and 2 with ``offload_optimizer: cpu``, 1 and 2 ranks, the engine's
 ``gradient_accumulation_steps`` 4 (four micro-batches) or 1 (four ``engine.backward`` calls with
 the boundary set by hand: DeepSpeed #7981's case), it runs one window of
 ``fullbatch.deepspeed.ExactEngine`` **with its refusal bypassed** and prints the relative error of

@@ -90,9 +90,9 @@ def shard_norm(rank: int, world: int) -> dict[str, Any]:
     shard only): what the Trainer wings' window read gives on every rank."""
     from torch.distributed.fsdp import fully_shard
 
-    from fullbatch._base._close import read_totals
     from fullbatch._base._sync import sum_over_ranks
     from fullbatch._base._sync._fsdp import fsdp_divisor
+    from fullbatch._wings._close import read_totals
 
     torch.manual_seed(0)
     model = fully_shard(torch.nn.Linear(4, 6, dtype=torch.float64))

@@ -9,6 +9,12 @@ check any other training code's accumulation with :func:`probe`.
 
 The public names are imported on first use (PEP 562), so ``import fullbatch`` and
 ``fullbatch --help`` do not import torch.
+
+Private packages, floor by floor: ``_base`` (the leaves), ``_proof`` (the shared objective and
+tolerance), ``_engine`` (``fb.Accumulator``), ``_wings`` (the framework wings' floor),
+``_pipeline`` (``fb.Pipeline``), ``_verify`` (``fb.verify``), ``_probe`` (``fb.probe``) and
+``_demo`` (``fullbatch demo``). Public modules: ``hf``, ``trl``, ``lightning``, ``deepspeed``,
+``super_gradients``, ``composer``, ``testing``, ``cli``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ can rescale the accumulated gradient afterwards. :class:`ExactEngine` therefore 
   reduce during every backward and every rank must run as many;
 - ``n`` must equal what ``count`` said for that micro-batch (checked before the window's last
   backward: DeepSpeed steps at the boundary), so the scale and the loss never disagree;
-- a window is closed through fullbatch's one verdict (:mod:`fullbatch._base._close`): zero
+- a window is closed through fullbatch's one verdict (:mod:`fullbatch._wings._close`): zero
   items skips it before anything runs; a non-finite loss (on any rank) turns that micro-batch's
   scale into NaN so that DeepSpeed's own overflow check skips the step (ZeRO 1-3: parameters,
   optimizer state and LR schedule untouched); stage 0 keeps gradients in ``.grad``, where the
@@ -55,12 +55,18 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._close import Wing
 from fullbatch._base._normalize import check_count
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import sum_over_ranks
 from fullbatch._base._verdict import NO_ITEMS, CountedSteps, WindowCounters
-from fullbatch._deepspeed import OFFLOAD_FIXED, check_engine, close_engine_window, refusal, scaled
+from fullbatch._wings._close import Wing
+from fullbatch._wings._deepspeed import (
+    OFFLOAD_FIXED,
+    check_engine,
+    close_engine_window,
+    refusal,
+    scaled,
+)
 
 __all__ = ["OFFLOAD_FIXED", "DeepSpeedWindow", "ExactEngine", "check_engine", "refusal"]
 

@@ -46,11 +46,11 @@ except ImportError:  # pragma: no cover - depends on what is installed
             'package); install it with: pip install "fullbatch[lightning]"'
         ) from exc
 
-from fullbatch._base._close import Wing, close_window, read_totals, skip_framework_step
 from fullbatch._base._normalize import check_count
 from fullbatch._base._schedule import KeptSchedule
 from fullbatch._base._sync import all_reduce_over
 from fullbatch._base._verdict import CountedSteps, Verdict, WindowCounters, WindowTotals
+from fullbatch._wings._close import Wing, close_window, read_totals, skip_framework_step
 
 __all__ = ["ExactAccumulation"]
 

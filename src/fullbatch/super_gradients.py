@@ -71,11 +71,11 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
         "docs/integrations_frameworks.md (Super-Gradients) shows."
     ) from exc
 
-from fullbatch._base._close import Wing, close_window
 from fullbatch._base._normalize import check_count, power_of_two_scale, squared_norm
 from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters, WindowTotals
 from fullbatch._base._warn import warn
 from fullbatch._engine._batchnorm import WindowBatchNorm, warn_batchnorm
+from fullbatch._wings._close import Wing, close_window
 
 __all__ = ["ExactTrainer", "SummedLoss"]
 

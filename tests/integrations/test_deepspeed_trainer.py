@@ -111,7 +111,7 @@ def test_stock_trainer_on_deepspeed(trained: tuple[int, list[dict[Any, Any]]]) -
 
 
 def test_configs_that_cannot_be_exact_are_refused() -> None:
-    from fullbatch._hf_deepspeed import default_clip
+    from fullbatch.hf._deepspeed import default_clip
 
     (out,) = values(run_ds(cases.refusals, 1, deadline=200))
     assert "fp16/bf16 gradients live in DeepSpeed's own" in out["stage0_bf16"], out

@@ -82,7 +82,7 @@ def test_the_sharded_run_is_checked_against_the_same_reference(
 def test_fsdp1_is_refused_before_the_model_changes() -> None:
     from transformers import TrainingArguments
 
-    from fullbatch._hf_settings import refuse_args
+    from fullbatch.hf._settings import refuse_args
 
     args = TrainingArguments(
         "unused", use_cpu=True, fsdp="full_shard", fsdp_config={"fsdp_version": 1}

@@ -19,6 +19,14 @@ MODULES = sorted(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_speaks_first() -> None:
+    """DeepSpeed prints its accelerator on stdout at its first use in a process (the Trainer
+    asks for it): let it print here, not inside whichever example comes first."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        importlib.import_module("deepspeed.accelerator").get_accelerator()
+
+
 def _forget(name: str) -> None:
     sys.modules.pop(name, None)
     vars(fullbatch).pop(name.rsplit(".", 1)[1], None)

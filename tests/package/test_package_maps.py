@@ -2,7 +2,8 @@
 
 A package's docstring is its map: each of its private modules and sub-packages is named there
 as ````_name```` (what it does beside it), and every ````_name```` it names exists. The
-top-level ``fullbatch`` package is the public surface and lists its public names instead.
+top-level ``fullbatch`` package names its private packages too, and holds no loose private
+module: every private module lives in a package whose map names it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import pytest
 import fullbatch
 
 ROOT = Path(fullbatch.__file__).parent
-PACKAGES = sorted(p.parent for p in ROOT.rglob("__init__.py") if p.parent != ROOT)
+PACKAGES = sorted(p.parent for p in ROOT.rglob("__init__.py"))
 NAMED = re.compile(r"``(_[A-Za-z0-9_]+)``")
 
 
 def modules(package: Path) -> set[str]:
     """The package's private modules and sub-packages."""
-    files = {p.stem for p in package.glob("_*.py") if p.name != "__init__.py"}
+    files = {p.stem for p in package.glob("_*.py") if p.name not in ("__init__.py", "__main__.py")}
     subpackages = {p.parent.name for p in package.glob("_*/__init__.py")}
     return files | subpackages
 
@@ -32,11 +33,19 @@ def named(package: Path) -> set[str]:
     return set(NAMED.findall(docstring))
 
 
-@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.relative_to(ROOT).as_posix() or ".")
 def test_docstring_names_exactly_the_modules(package: Path) -> None:
     real, listed = modules(package), named(package)
     assert listed - real == set(), f"named in the docstring, but no such module: {listed - real}"
     assert real - listed == set(), f"modules the docstring does not name: {real - listed}"
+
+
+def test_the_top_level_holds_no_loose_private_module() -> None:
+    """Private code lives in a package with a map (``_wings``, ``hf``, ``_pipeline``, ...)."""
+    loose = sorted(
+        p.name for p in ROOT.glob("_*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert loose == [], f"private modules loose at the top level: {loose}"
 
 
 def test_the_map_check_can_fail(tmp_path: Path) -> None:
@@ -47,4 +56,4 @@ def test_the_map_check_can_fail(tmp_path: Path) -> None:
     (package / "_b.py").write_text("")
     assert modules(package) == {"_a", "_b"}
     assert named(package) == {"_a", "_gone"}
-    assert PACKAGES and all((p / "__init__.py").exists() for p in PACKAGES)
+    assert ROOT in PACKAGES and all((p / "__init__.py").exists() for p in PACKAGES)

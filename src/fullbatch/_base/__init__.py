@@ -5,8 +5,6 @@ They import nothing from the rest of fullbatch but each other:
 - ``_normalize``: the normalization's numbers (``c``, ``W / (c · N)``, counts);
 - ``_verdict``: the one decision that ends a window in every wing (skip or step, the factor,
   the clip, the counters and the skip warning);
-- ``_close``: the one window-close of the framework wings (read the totals, decide, scale the
-  gradients or skip the framework's step);
 - ``_sync``: everything that talks to ``torch.distributed`` (a package);
 - cutting loader items: ``_split`` (rows), ``_take`` (rows taken on the device),
   ``_sort_trim`` (rows sorted by length and trimmed), ``_widths`` (``pad_to_multiple_of``:

@@ -30,7 +30,7 @@ advantages, per-token losses and metrics, and changes only the normalization:
   does, and the Trainer turns its ``1 / GA`` off); its engine steps inside the last backward,
   so a window to skip carries a NaN loss, which DeepSpeed's overflow check skips (Accelerate
   then skips the Trainer's scheduler step too), and the window closes through
-  ``fullbatch._deepspeed.close_engine_window``.
+  ``fullbatch._wings._deepspeed.close_engine_window``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from fullbatch._base._verdict import WindowCounters, WindowTotals
-from fullbatch._deepspeed import close_engine_window, scaled
-from fullbatch._hf_window import (
+from fullbatch._wings._deepspeed import close_engine_window, scaled
+from fullbatch.hf._window import (
     KeepSchedule,
     end_trainer_window,
     read_window,

@@ -2,15 +2,15 @@
 
 Loss types without a full-batch form (``bnpo``) or that fullbatch does not make exact, a token
 selection per micro-batch (``top_entropy_quantile < 1``), DeepSpeed ZeRO stage 0, and what every
-Trainer wing refuses (``fullbatch._hf_settings``).
+Trainer wing refuses (``fullbatch.hf._settings``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fullbatch._hf_deepspeed import zero_stage
-from fullbatch._hf_settings import refuse_args
+from fullbatch.hf._deepspeed import zero_stage
+from fullbatch.hf._settings import refuse_args
 from fullbatch.trl._grpo_window import EXACT_LOSSES
 
 __all__ = ["check_config"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 
-from fullbatch._hf_settings import refuse_args
+from fullbatch.hf._settings import refuse_args
 
 
 def bind(init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from fullbatch.hf import ExactTrainer, target_count
+from fullbatch.hf._trainer import ExactTrainer, target_count
 from fullbatch.trl._refuse import common, moe_aux
 from fullbatch.trl._step import offloaded_training_step
 

@@ -7,20 +7,20 @@ micro-batch's items from ``trainer.exact_count``, summed over the ranks), backpr
 ``loss_sum · W / N`` through the engine itself (``scale_wrt_gas=False``: DeepSpeed's ``1 / GA``
 off, its average over ``W`` ranks undone; the boundary set on every micro-batch, as
 Accelerate's backward sets it) and closes through
-:func:`fullbatch._deepspeed.close_engine_window`: ``engine.step()`` at ZeRO 1-3, where a
+:func:`fullbatch._wings._deepspeed.close_engine_window`: ``engine.step()`` at ZeRO 1-3, where a
 non-finite loss's NaN scale makes DeepSpeed skip; at stage 0 the gradients are read before the
 step and a skipped window is cleared instead. A window without items (on every rank: the count
 is global) backpropagates nothing and does not step. The Trainer's own ``optimizer.step()`` is
 a no-op (Accelerate's wrapper); with a torch optimizer the LR scheduler is the Trainer's, which
 skips its step only after DeepSpeed's overflow skip (``optimizer_step_was_skipped``), so for a
 window skipped otherwise (stage 0, no items) the schedule is kept and put back
-(:func:`fullbatch._hf_window.keep_schedule`): parameters, optimizer state and LR schedule stay
+(:func:`fullbatch.hf._window.keep_schedule`): parameters, optimizer state and LR schedule stay
 as they were.
 
 :func:`check_config` refuses, before training, what cannot be exact: a clip that differs from
 ``max_grad_norm`` (a config without ``gradient_clipping`` clips at DeepSpeed's default: 1.0
 since DeepSpeed #8068, 0 before) and what
-:func:`fullbatch._deepspeed.refusal` names.
+:func:`fullbatch._wings._deepspeed.refusal` names.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import torch
 
 from fullbatch._base._normalize import check_count
 from fullbatch._base._verdict import Verdict
-from fullbatch._deepspeed import (
+from fullbatch._wings._deepspeed import (
     close_engine_window,
     installed_version,
     refusal,
     scaled,
     window_scale,
 )
-from fullbatch._hf_window import TrainerWindow, keep_schedule, summed, wing
+from fullbatch.hf._window import TrainerWindow, keep_schedule, summed, wing
 
 __all__ = [
     "DeepSpeedTrainerWindow",

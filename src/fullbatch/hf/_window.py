@@ -4,7 +4,7 @@
 Trainer's loop reads one (``get_batch_samples``), hands it each micro-batch's summed loss and
 count (:meth:`TrainerWindow.record`) and lets it backpropagate them
 (:meth:`TrainerWindow.backward`); after the last it closes through the one window-close
-(:mod:`fullbatch._base._close`). Who holds the gradients decides how:
+(:mod:`fullbatch._wings._close`). Who holds the gradients decides how:
 
 - :class:`TrainerWindow` (one process, DDP, FSDP2 — and an FSDP config that Accelerate runs
   as DDP on a CPU machine): ``c · loss_sum`` through ``accelerator.backward``, then, after the
@@ -12,10 +12,10 @@ count (:meth:`TrainerWindow.record`) and lets it backpropagate them
   and the wrapper divided by (DDP's ranks; FSDP2's divide factor, read as the Accumulator's
   FSDP2 route reads it), and an FSDP2 model's squared norm is its shards' summed over the
   ranks. The Trainer clips and steps afterwards;
-- :class:`fullbatch._hf_deepspeed.DeepSpeedTrainerWindow`: the scale fixed up front.
+- :class:`fullbatch.hf._deepspeed.DeepSpeedTrainerWindow`: the scale fixed up front.
 
 The Trainer steps the optimizer and the LR scheduler after every window, so a skip is made in
-its terms (:func:`fullbatch._base._close.skip_framework_step`): every ``.grad`` set to
+its terms (:func:`fullbatch._wings._close.skip_framework_step`): every ``.grad`` set to
 ``None`` (with a GradScaler and a non-finite gradient, left for the scaler, which skips and
 backs off) and the LR schedule kept in ``trainer._fb_schedule``, put back by
 :class:`KeepSchedule` after the Trainer's scheduler step (``on_step_end``).
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from fullbatch._base._close import Wing, close_window, read_totals, skip_framework_step
 from fullbatch._base._sync._fsdp import fsdp_divisor, is_fsdp
 from fullbatch._base._verdict import NONFINITE_GRADIENT, Verdict, WindowCounters, WindowTotals
+from fullbatch._wings._close import Wing, close_window, read_totals, skip_framework_step
 
 __all__ = [
     "THROUGH",

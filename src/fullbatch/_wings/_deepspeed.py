@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._close import Wing, close_window, read_totals
 from fullbatch._base._verdict import Verdict, WindowTotals
+from fullbatch._wings._close import Wing, close_window, read_totals
 
 __all__ = [
     "OFFLOAD_FIXED",

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._close import Wing, close_window
 from fullbatch._base._normalize import power_of_two_scale, squared_norm
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync._pipeline import PipelineComm
 from fullbatch._base._verdict import CountedSteps, WindowCounters, WindowTotals
 from fullbatch._base._versions import check_pipeline_schedule
-from fullbatch._pipeline_scale import check_scaler, finish_scaler, window_scale
+from fullbatch._pipeline._scale import check_scaler, finish_scaler, window_scale
+from fullbatch._wings._close import Wing, close_window
 
 __all__ = ["Pipeline", "PipelineLoss", "PipelineWindow"]
 

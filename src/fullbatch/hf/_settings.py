@@ -3,14 +3,14 @@
 One list, with the reason and the fix, for ``fullbatch.hf.ExactTrainer`` (checked when it is
 built) and the TRL trainers (checked before TRL touches the model, ``fullbatch.trl._refuse``).
 What they accept: one process, DDP, FSDP2 (``fsdp_config`` version 2; on a CPU machine
-Accelerate runs it as DDP), DeepSpeed ZeRO 0-3 (:func:`fullbatch._hf_deepspeed.check_config`).
+Accelerate runs it as DDP), DeepSpeed ZeRO 0-3 (:func:`fullbatch.hf._deepspeed.check_config`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fullbatch._hf_deepspeed import check_config
+from fullbatch.hf._deepspeed import check_config
 
 __all__ = ["refuse_args"]
 
