@@ -24,6 +24,7 @@ Run: ``PYTHONPATH=src python benchmarks/moe_window_stats.py`` (about a minute on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -108,25 +109,40 @@ def _recipe(name: str, family: str, world: int, rank: int, with_ce: bool) -> tor
             experts, rows = experts + mine[k]["experts"], rows + mine[k]["rows"]
         running.append({"experts": _all(experts, world), "rows": _all(rows, world)})
     for k, micro in enumerate(micros):
-        out = forward(ddp, micro)
-        ce_sum, n = fb.causal_lm_loss(out.logits, micro["labels"])
-        own = _aux(out, micro, mine[k])
-        if name == "stock loss/GA":
-            loss = ((ce_sum / n) * with_ce + COEF * own) / len(micros)
-        else:
-            ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
-            if name == "stock num_items_in_batch":
-                loss = ce + COEF * own * world
-            elif name == "per-micro-batch aux":
-                loss = ce + COEF * own * world / n_micro
-            else:  # running mean
-                loss = ce + COEF * _aux(out, micro, running[k]) * world / n_micro
-        if world > 1 and k < len(micros) - 1:
-            with ddp.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
+        # DDP decides at forward time whether the backward syncs: both under no_sync but the last.
+        quiet = world > 1 and k < len(micros) - 1
+        with ddp.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+            _backward(name, ddp, micro, k, len(micros), mine, running, tokens, n_micro, with_ce)
     return _grads(model)
+
+
+def _backward(
+    name: str,
+    ddp: Any,
+    micro: dict[str, torch.Tensor],
+    k: int,
+    count: int,
+    mine: list[Any],
+    running: list[Any],
+    tokens: torch.Tensor,
+    n_micro: torch.Tensor,
+    with_ce: bool,
+) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = forward(ddp, micro)
+    ce_sum, n = fb.causal_lm_loss(out.logits, micro["labels"])
+    own = _aux(out, micro, mine[k])
+    if name == "stock loss/GA":
+        loss = ((ce_sum / n) * with_ce + COEF * own) / count
+    else:
+        ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
+        if name == "stock num_items_in_batch":
+            loss = ce + COEF * own * world
+        elif name == "per-micro-batch aux":
+            loss = ce + COEF * own * world / n_micro
+        else:  # running mean
+            loss = ce + COEF * _aux(out, micro, running[k]) * world / n_micro
+    loss.backward()
 
 
 def _exact(family: str, world: int, rank: int, with_ce: bool) -> tuple[torch.Tensor, float, float]:
@@ -219,10 +235,16 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def main() -> None:
+    """``--ranks 1 2`` (default): which rank counts to run."""
+    worlds = (
+        [int(a) for a in sys.argv[sys.argv.index("--ranks") + 1 :]]
+        if "--ranks" in sys.argv
+        else [1, 2]
+    )
     torch.set_num_threads(1)
     print("| model | ranks | recipe | step grad error | aux grad error | pre-pass / training |")
     print("|---|---|---|---|---|---|")
-    for world in (1, 2):
+    for world in worlds:
         found = _run(world)
         for family in FAMILIES:
             step, aux = reference(family, True), reference(family, False)
