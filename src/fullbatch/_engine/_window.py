@@ -135,18 +135,9 @@ class Window:
     def stats(
         self, fn: Callable[[Any], Any], *, reduce: str = "sum", key: str | None = None
     ) -> Any:
-        """A window statistic: ``fn`` on every micro-batch of the window and every rank, once,
-        before the first backward, without gradients (a pre-pass; docs/moe.md).
-
-        ``reduce="sum"``: ``fn``'s tensors (a tensor, or a dict/tuple of them) summed over
-        micro-batches and ranks, in float64; ``"cat"``: concatenated along dim 0, ranks in
-        order (the same on every rank). Kept under ``key`` (default: ``fn``'s name and line):
-        a second call, an "auto" retry or a resumed window returns it without a pre-pass.
-        ``stats.stats_seconds`` reports the pre-pass time. Example::
-
-            counts = window.stats(lambda m: fb.moe.router_counts(
-                model(**m, output_router_logits=True).router_logits, top_k=2))
-        """
+        """A window statistic: ``fn`` on every micro-batch and rank, once, before the first
+        backward, no gradients; ``reduce="sum"`` (float64) or ``"cat"`` (dim 0, ranks in order),
+        kept under ``key`` for a second call, an "auto" retry and a resume (docs/moe.md)."""
         return window_stats(self, fn, reduce=reduce, key=key)
 
     # -- backward --------------------------------------------------------------------------
