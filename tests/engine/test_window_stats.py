@@ -242,3 +242,38 @@ def test_verify_reports_each_choice(family: str) -> None:
     assert "running mean" in str(report) and "per micro-batch (stock)" in str(report)
     with pytest.raises(ValueError, match="loss_fn=None"):
         fb.verify(model, moe_rows(LENGTHS), lambda m, b: b, micro_batch_size=2, moe=True)
+
+
+def _dropout_step(with_stats: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    ).double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = [{"x": torch.randn(2, 3, dtype=torch.float64)} for _ in range(3)]
+    torch.manual_seed(1)
+    with fb.Accumulator(model, opt, micro_batches=3) as acc:
+        for window in acc.windows(data):
+            if with_stats:
+                window.stats(lambda m: model(m["x"]).sum())  # draws dropout masks too
+            for m in window:
+                window.backward(model(m["x"]).sum(), 2)
+            window.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_pre_pass_leaves_the_training_dropout_masks_alone() -> None:
+    """The RNG state is restored after the pre-pass: the step is bitwise the one without it."""
+    for a, b in zip(_dropout_step(False), _dropout_step(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batchnorm_window_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    acc = fb.Accumulator(model, opt, micro_batches=2, batchnorm="window")
+    data = [{"x": torch.randn(3, 2, dtype=torch.float64)} for _ in range(2)]
+    for window in acc.windows(data):
+        with pytest.raises(ValueError, match="batchnorm='window'"):
+            window.stats(lambda m: model(m["x"]).sum())
+        window.discard()
