@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fullbatch import testing
+    from fullbatch import moe, testing
     from fullbatch._base._losses import causal_lm_loss, count_tokens, cross_entropy_sum
     from fullbatch._base._lr import scale_lr
     from fullbatch._base._rows import row_windows
@@ -47,6 +47,7 @@ __all__ = [
     "causal_lm_loss",
     "count_tokens",
     "cross_entropy_sum",
+    "moe",
     "probe",
     "row_windows",
     "scale_lr",
@@ -65,6 +66,7 @@ _LAZY = {
     "causal_lm_loss": "fullbatch._base._losses",
     "count_tokens": "fullbatch._base._losses",
     "cross_entropy_sum": "fullbatch._base._losses",
+    "moe": "fullbatch.moe",
     "probe": "fullbatch._probe",
     "row_windows": "fullbatch._base._rows",
     "scale_lr": "fullbatch._base._lr",
@@ -78,7 +80,7 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module 'fullbatch' has no attribute {name!r}")
     module = importlib.import_module(module_name)
-    value = module if name == "testing" else getattr(module, name)
+    value = module if name in ("moe", "testing") else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -26,6 +26,7 @@ DOCUMENTED = {
     "verify",
     "VerifyReport",
     "testing",
+    "moe",
     "scale_lr",
     "row_windows",
     "probe",

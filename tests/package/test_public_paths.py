@@ -24,6 +24,7 @@ PUBLIC = {
         "causal_lm_loss",
         "count_tokens",
         "cross_entropy_sum",
+        "moe",
         "probe",
         "row_windows",
         "scale_lr",
@@ -42,6 +43,7 @@ PUBLIC = {
     ],
     "fullbatch.super_gradients": ["ExactTrainer", "SummedLoss"],
     "fullbatch.composer": ["TokenCounts"],
+    "fullbatch.moe": ["load_balancing", "router_counts"],
     "fullbatch.testing": ["assert_equivalent", "char_tokenizer", "tiny_causal_lm", "tiny_seq2seq"],
 }
 # What each path needs besides torch (skipped without it).

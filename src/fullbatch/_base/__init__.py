@@ -11,7 +11,8 @@ They import nothing from the rest of fullbatch but each other:
   widths on a grid, padded with each key's own padding), ``_packed`` (rows packed into one
   sequence), ``_row_boundaries`` (does packing respect row boundaries on a model),
   ``_autosize`` (where an ``"auto"`` size stands), ``_rows`` (``fb.row_windows``);
-- ``_losses`` (summed losses and counts), ``_stats`` (:class:`StepStats`), ``_lr``
+- ``_losses`` (summed losses and counts), ``_moe`` (the MoE load-balancing loss as a window
+  statistic: routing counts and one micro-batch's term), ``_stats`` (:class:`StepStats`), ``_lr``
   (``fb.scale_lr``), ``_schedule`` (an LR schedule kept across a skipped step);
 - state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model), ``_fingerprint``
   (what a resumed run must find);

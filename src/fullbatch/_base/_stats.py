@@ -31,6 +31,8 @@ class StepStats:
             the 1st, 2nd, 4th, 8th, ... skip).
         retries: how many times ``window.run`` re-ran this window with a smaller micro-batch
             size after an out-of-memory error (``micro_batch_size="auto"``); else 0.
+        stats_seconds: seconds this rank spent in ``window.stats`` pre-passes for this window
+            (0.0 without them).
     """
 
     loss: float
@@ -45,6 +47,7 @@ class StepStats:
     totals: dict[str, float] = field(default_factory=dict)
     skipped_windows: int = 0
     retries: int = 0
+    stats_seconds: float = 0.0
 
     def __str__(self) -> str:
         if self.skipped:

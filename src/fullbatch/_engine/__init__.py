@@ -22,7 +22,8 @@ One job per module, in import order (imports run downwards only, tests/package/t
   every rank raises when it does not fit), ``_start`` (the window-start exchange),
   ``_open`` (opening and ending a window), ``_read`` (the step's one host read), ``_step``
   (the step), ``_run`` and ``_verify_pack`` (``window.run``, the ``pack=True`` checks),
-  ``_auto`` (``"auto"`` sizes), ``_coupled`` (``window.run_coupled``), ``_resume``
+  ``_auto`` (``"auto"`` sizes), ``_coupled`` (``window.run_coupled``), ``_stats_pass``
+  (``window.stats``: a window statistic's pre-pass), ``_resume``
   (``state_dict`` / ``load_state_dict``);
 - the user's handles: ``_window`` (:class:`Window`), ``_windows`` (``acc.windows(loader)``)
   and ``_accumulator`` (:class:`Accumulator`).

@@ -161,6 +161,7 @@ def _restart(window: Handle, micros: list[Any], stream: Stream) -> None:
     )
     if not state:  # some rank ran out of memory on data: this cannot be the end
         raise RuntimeError("internal error: an 'auto' re-run found no data on any rank.")
+    state.stats, state.stats_seconds = old.stats, old.stats_seconds  # never taken twice
     window._state = state
 
 

@@ -75,6 +75,8 @@ class WindowState:
     count_py: float = 0.0
     device_counts: list[torch.Tensor] = field(default_factory=list)
     seeds: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)  # window.stats results, by key
+    stats_seconds: float = 0.0  # time this rank spent in window.stats pre-passes
 
     def sums(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``(loss sum, device-tensor count sum, number of bad device counts)`` in ``dtype``."""
@@ -97,6 +99,7 @@ class WindowState:
             "losses": [t.clone() for t in self.losses],
             "count": self.count_py,
             "device_counts": [t.clone() for t in self.device_counts],
+            "stats": dict(self.stats),  # window statistics: never recomputed on resume
         }
 
     @classmethod
@@ -113,6 +116,7 @@ class WindowState:
             count_py=float(saved["count"]),
             device_counts=list(saved["device_counts"]),
             seeds={},
+            stats=dict(saved.get("stats", {})),
         )
 
 

@@ -152,6 +152,7 @@ def step_window(engine: Engine, state: WindowState) -> StepStats:
         micro_batches=state.yielded,
         totals=dict(state.totals or {}),
         skipped_windows=engine.counters.skipped_windows,
+        stats_seconds=state.stats_seconds,
     )
 
 

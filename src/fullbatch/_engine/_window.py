@@ -14,6 +14,7 @@ from fullbatch._engine._core import Engine
 from fullbatch._engine._coupled import run_coupled
 from fullbatch._engine._run import abandon_locally, run_window
 from fullbatch._engine._state import Phase, WindowState
+from fullbatch._engine._stats_pass import window_stats
 from fullbatch._engine._step import discard_window, step_window
 from fullbatch._engine._verify_pack import refuse_coupled
 
@@ -130,6 +131,14 @@ class Window:
             )
         self._state.totals_read = True
         return dict(self._state.totals)
+
+    def stats(
+        self, fn: Callable[[Any], Any], *, reduce: str = "sum", key: str | None = None
+    ) -> Any:
+        """A window statistic: ``fn`` on every micro-batch and rank, once, before the first
+        backward, no gradients; ``reduce="sum"`` (float64) or ``"cat"`` (dim 0, ranks in order),
+        kept under ``key`` for a second call, an "auto" retry and a resume (docs/moe.md)."""
+        return window_stats(self, fn, reduce=reduce, key=key)
 
     # -- backward --------------------------------------------------------------------------
 

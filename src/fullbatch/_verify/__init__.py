@@ -11,6 +11,8 @@ One job per module:
 - ``_bn``: which BatchNorm layers ``batchnorm="window"`` makes exact;
 - ``_precision``: the dtype compared in and its tolerance (the band's rule is in
   :mod:`fullbatch._proof`, shared with the probe);
+- ``_moe``: ``verify(..., moe=True)``: the MoE load-balancing loss, each way to accumulate it
+  measured against the full batch on the user's model;
 - ``_report``: :class:`VerifyReport` and its readable text;
 - ``_pack_run``: ``verify(..., pack=True)``: does padding-free packing respect the row
   boundaries on this model (gradient against a measured band, a leak probe, the cause);

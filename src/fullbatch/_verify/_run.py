@@ -84,6 +84,7 @@ def verify(
     micro_batch_tokens: int | None = None,
     pack: bool = False,
     objective: str | Callable[..., Any] | None = None,
+    moe: bool = False,
 ) -> Any:
     """Check that fullbatch's accumulated gradient equals the full-batch gradient.
 
@@ -125,6 +126,11 @@ def verify(
             objective's count of the same rows: a count in another unit (rows, ``numel``, the
             batch total, a leftover ``/ K``) trains every step scaled and is self-consistent,
             so only a declared objective can fail it. ``None``: not checked.
+        moe: ``True`` for a transformers MoE model (``loss_fn=None``: the model's own loss,
+            cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss of the
+            whole batch): returns a ``MoEReport`` with the gradient error of each way to
+            accumulate it (exact with ``window.stats``, the running mean, per micro-batch);
+            docs/moe.md.
         rtol: relative tolerance; by default 1e-10 for float64, 1e-5 for float32, 2e-2 for
             bfloat16 and 2e-3 for float16, widened to the model's own rounding band when that
             is larger (see below). An explicit ``rtol`` is never widened.
@@ -174,6 +180,14 @@ def verify(
     >>> fb.verify(model, batch, loss_fn, micro_batch_size=4).passed
     True
     """
+    if moe:
+        if loss_fn is not None:
+            raise ValueError(
+                "verify(..., moe=True) checks the model's own loss: pass loss_fn=None."
+            )
+        from fullbatch._verify._moe import verify_moe
+
+        return verify_moe(model, batch, micro_batch_size=micro_batch_size, rtol=rtol)
     if pack is not False or micro_batch_tokens is not None:
         return _verify_packing(
             model, batch, loss_fn, micro_batch_size, micro_batch_tokens, pack, dtype, autocast

@@ -1,0 +1,267 @@
+"""The MoE load-balancing loss under accumulation: five recipes against one full batch.
+
+Tiny random Mixtral, Qwen3-MoE and OLMoE (transformers, float64, 2 layers, 4 experts, top-2,
+``router_aux_loss_coef`` 0.25), one window of 8 right-padded rows cut into uneven
+micro-batches (1 rank: 1+3+2+2 rows; 2 gloo DDP ranks: 1+3 and 2+1+1). The reference is
+written here: one forward of the whole window, token-mean cross-entropy plus the pooled
+load-balancing loss of the whole window in float64 (transformers' definition). Recipes:
+
+- ``stock loss/GA``: each micro-batch's ``out.loss`` (its own CE mean + coef · its own aux)
+  divided by the rank's micro-batch count, DDP averaging the ranks;
+- ``stock num_items_in_batch``: the Trainer's: CE summed over the window's tokens (exact) plus
+  coef · the aux loss of every micro-batch, undivided;
+- ``per-micro-batch aux``: exact CE plus the mean of the micro-batches' own aux losses;
+- ``running mean``: exact CE plus the mean over micro-batches of an aux loss whose ``f`` counts
+  micro-batches 1..k of every rank (Megatron-Core's ``global_aux_loss``, torchtitan#4772);
+- ``fullbatch exact``: ``fb.Accumulator`` with ``window.stats`` (``fb.moe``).
+
+Each row gives the step's gradient error ``‖g - g*‖ / ‖g*‖`` and the aux term's alone, and for
+fullbatch the pre-pass time over the window's training time (forward+backward) and the bytes
+the training forwards keep for backward (the pre-pass keeps none: it runs without a graph).
+
+Run: ``PYTHONPATH=src python benchmarks/moe_window_stats.py`` (about a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fullbatch as fb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _moe_cases import COEF, FAMILIES, TOP_K, aux64, forward, make_moe, moe_rows
+
+LENGTHS = [7, 3, 5, 6, 2, 7, 4, 5]
+SPLITS = {1: [[1, 3, 2, 2]], 2: [[1, 3], [2, 1, 1]]}
+RECIPES = ("stock loss/GA", "stock num_items_in_batch", "per-micro-batch aux", "running mean")
+
+
+def _window() -> dict[str, torch.Tensor]:
+    return moe_rows(LENGTHS, seed=11)
+
+
+def _micros(world: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    rows, sizes = _window(), SPLITS[world]
+    start = sum(sum(s) for s in sizes[:rank])
+    out = []
+    for size in sizes[rank]:
+        out.append({k: v[start : start + size] for k, v in rows.items()})
+        start += size
+    return out
+
+
+def _counts(out: Any, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return fb.moe.router_counts(
+        out.router_logits, top_k=TOP_K, attention_mask=micro["attention_mask"]
+    )
+
+
+def _aux(out: Any, micro: dict[str, torch.Tensor], counts: Any) -> torch.Tensor:
+    return fb.moe.load_balancing(out.router_logits, counts, attention_mask=micro["attention_mask"])
+
+
+def _all(value: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+            for p in model.parameters()
+        ]
+    )
+
+
+def _recipe(name: str, family: str, world: int, rank: int, with_ce: bool) -> torch.Tensor:
+    """The gradient one recipe applies (DDP-averaged over ranks, as a DDP step would)."""
+    model = make_moe(family)
+    ddp = DDP(model, find_unused_parameters=True) if world > 1 else model
+    micros = _micros(world, rank)
+    tokens = _all(torch.tensor(float(sum(fb.count_tokens(m["labels"]) for m in micros))), world)
+    n_micro = _all(torch.tensor(float(len(micros))), world)
+    # Running counts of micro-batches 1..k over every rank (Megatron reduces each step's).
+    with torch.no_grad():
+        mine = [_counts(forward(model, m), m) for m in micros]
+    most = len(micros)
+    running = []
+    experts = torch.zeros(mine[0]["experts"].shape, dtype=torch.float64)
+    rows = torch.zeros((), dtype=torch.float64)
+    steps = [len(_micros(world, r)) for r in range(world)]
+    for k in range(max(steps)):
+        if k < most:
+            experts, rows = experts + mine[k]["experts"], rows + mine[k]["rows"]
+        running.append({"experts": _all(experts, world), "rows": _all(rows, world)})
+    for k, micro in enumerate(micros):
+        # DDP decides at forward time whether the backward syncs: both under no_sync but the last.
+        quiet = world > 1 and k < len(micros) - 1
+        with ddp.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+            _backward(name, ddp, micro, k, len(micros), mine, running, tokens, n_micro, with_ce)
+    return _grads(model)
+
+
+def _backward(
+    name: str,
+    ddp: Any,
+    micro: dict[str, torch.Tensor],
+    k: int,
+    count: int,
+    mine: list[Any],
+    running: list[Any],
+    tokens: torch.Tensor,
+    n_micro: torch.Tensor,
+    with_ce: bool,
+) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = forward(ddp, micro)
+    ce_sum, n = fb.causal_lm_loss(out.logits, micro["labels"])
+    own = _aux(out, micro, mine[k])
+    if name == "stock loss/GA":
+        loss = ((ce_sum / n) * with_ce + COEF * own) / count
+    else:
+        ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
+        if name == "stock num_items_in_batch":
+            loss = ce + COEF * own * world
+        elif name == "per-micro-batch aux":
+            loss = ce + COEF * own * world / n_micro
+        else:  # running mean
+            loss = ce + COEF * _aux(out, micro, running[k]) * world / n_micro
+    loss.backward()
+
+
+def _exact(family: str, world: int, rank: int, with_ce: bool) -> tuple[torch.Tensor, float, float]:
+    """fullbatch: the window statistic's pre-pass, then each micro-batch's share."""
+    model = make_moe(family)
+    ddp = DDP(model, find_unused_parameters=True) if world > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    micros = _micros(world, rank)
+    counts_fn = {"tokens": lambda m: fb.count_tokens(m["labels"])}
+    acc = fb.Accumulator(ddp, opt, micro_batches=len(micros), counts=counts_fn)
+
+    def routing(micro: dict[str, torch.Tensor]) -> Any:
+        return _counts(forward(ddp, micro), micro)
+
+    began = time.perf_counter()
+    for window in acc.windows(micros):
+        counts = window.stats(routing)
+        for micro in window:
+            out = forward(ddp, micro)
+            ce, _ = fb.causal_lm_loss(out.logits, micro["labels"])
+            window.backward(
+                ce / window.totals["tokens"] * with_ce + COEF * _aux(out, micro, counts)
+            )
+        stats = window.step()
+    total = time.perf_counter() - began
+    grad = torch.cat(
+        [(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)]
+    )
+    return grad, stats.stats_seconds, total - stats.stats_seconds
+
+
+def _saved_bytes(family: str) -> int:
+    """Bytes one training forward of the window keeps for backward (the pre-pass: none)."""
+    model, micro, saved = make_moe(family), _window(), [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward(model, micro)
+    return saved[0]
+
+
+def reference(family: str, with_ce: bool) -> torch.Tensor:
+    model, rows = make_moe(family), _window()
+    out = forward(model, rows)
+    ce = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]),
+        rows["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+    )
+    (ce * with_ce + COEF * aux64(out.router_logits, rows["attention_mask"])).backward()
+    return _grads(model)
+
+
+def _rank(rank: int, world: int, store: str, out: Any) -> None:
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    found: dict[tuple[str, str, bool], Any] = {}
+    for family in FAMILIES:
+        for with_ce in (True, False):
+            for name in RECIPES:
+                found[family, name, with_ce] = _recipe(name, family, world, rank, with_ce)
+            found[family, "fullbatch exact", with_ce] = _exact(family, world, rank, with_ce)
+    if rank == 0:
+        out.put(pickle.dumps(found))  # bytes: a tensor's shared memory dies with the rank
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _run(world: int) -> dict[tuple[str, str, bool], Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank, args=(r, world, store, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        found = pickle.loads(queue.get(timeout=1800))
+        for p in procs:
+            p.join(timeout=60)
+    return found
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> str:
+    return f"{float((got - want).norm() / want.norm()):.1e}"
+
+
+def main() -> None:
+    """``--ranks 1 2`` (default): which rank counts to run."""
+    worlds = (
+        [int(a) for a in sys.argv[sys.argv.index("--ranks") + 1 :]]
+        if "--ranks" in sys.argv
+        else [1, 2]
+    )
+    torch.set_num_threads(1)
+    print("| model | ranks | recipe | step grad error | aux grad error | pre-pass / training |")
+    print("|---|---|---|---|---|---|")
+    for world in worlds:
+        found = _run(world)
+        for family in FAMILIES:
+            step, aux = reference(family, True), reference(family, False)
+            for name in (*RECIPES, "fullbatch exact"):
+                got, got_aux = found[family, name, True], found[family, name, False]
+                cost = ""
+                if name == "fullbatch exact":
+                    (got, pre, train), got_aux = got, got_aux[0]
+                    cost = f"{pre / train:.2f}x ({pre * 1e3:.0f} ms / {train * 1e3:.0f} ms)"
+                errors = f"{_err(got, step)} | {_err(got_aux, aux)}"
+                print(f"| {family} | {world} | {name} | {errors} | {cost} |")
+    for family in FAMILIES:
+        print(
+            f"{family}: the training forward of the window keeps {_saved_bytes(family)} bytes "
+            "for backward; the pre-pass keeps 0 (no graph)."
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Rank functions for window statistics under DDP (see test_distributed_window_stats)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fullbatch as fb
+from _moe_cases import exact_share, make_moe, moe_rows, routing, split, tokens
+from _selection_cases import cut, importance, loss_sum, threshold, with_old
+
+# Each rank's rows and its uneven micro-batches: rank 0 holds 2 micro-batches, rank 1 holds 3.
+MOE_LENGTHS = [7, 3, 5, 6, 2, 7, 4, 5]
+MOE_SPLIT = {0: [1, 3], 1: [2, 1, 1]}
+
+
+def moe_window() -> dict[str, torch.Tensor]:
+    return moe_rows(MOE_LENGTHS, seed=11)
+
+
+def _rank_rows(rank: int) -> tuple[int, int]:
+    start = sum(sum(MOE_SPLIT[r]) for r in range(rank))
+    return start, start + sum(MOE_SPLIT[rank])
+
+
+def moe_rank(rank: int, world: int, families: tuple[str, ...]) -> dict[str, Any]:
+    """Every family in one run of the ranks (a start of the ranks costs more than a step)."""
+    return {family: _moe_family(rank, family) for family in families}
+
+
+def _moe_family(rank: int, family: str) -> dict[str, Any]:
+    model = make_moe(family)
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    start, stop = _rank_rows(rank)
+    rows = {k: v[start:stop] for k, v in moe_window().items()}
+    micros = split(rows, MOE_SPLIT[rank])
+    acc = fb.Accumulator(ddp, opt, micro_batches=len(micros), counts=tokens())
+    stat, calls = routing(ddp), []
+
+    def counted(micro: dict) -> Any:
+        calls.append(int(micro["input_ids"].shape[0]))
+        return stat(micro)
+
+    for window in acc.windows(micros):
+        counts = window.stats(counted)
+        for micro in window:
+            window.backward(exact_share(ddp, window, counts, micro))
+        stats = window.step()
+    update = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+    return {"update": update, "loss": stats.loss, "calls": calls, "counts": counts}
+
+
+SEL_SPLIT = {0: [1, 4], 1: [2, 2, 1]}
+SEL_LENGTHS = [9, 2, 5, 1, 7, 3, 6, 4, 8, 2]
+
+
+def selection_window() -> dict[str, Any]:
+    from conftest import lm_batch
+
+    return with_old(lm_batch(SEL_LENGTHS, seed=3, ignore_frac=0.2), seed=5)
+
+
+def selection_rank(rank: int, world: int) -> dict[str, Any]:
+    from conftest import make_lm
+
+    model = make_lm()
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    start = sum(sum(SEL_SPLIT[r]) for r in range(rank))
+    batch = selection_window()
+    mine = cut(batch, [start, sum(SEL_SPLIT[rank])])[1]
+    micros = cut(mine, SEL_SPLIT[rank])
+    acc = fb.Accumulator(ddp, opt, micro_batches=len(micros))
+    for window in acc.windows(micros):
+        values = window.stats(lambda m: importance(ddp, m), reduce="cat")
+        limit = threshold(values)
+        for micro in window:
+            window.backward(*loss_sum(ddp, micro, limit))
+        stats = window.step()
+    update = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+    return {"update": update, "count": stats.count, "limit": float(limit), "n": values.numel()}
