@@ -35,8 +35,8 @@ token classification), ``"sample"`` (one label per row: an integer class, or a f
 under squared error), ``"seq2seq"`` (encoder-decoders such as T5 and BART: ``"token"`` on the
 decoder targets, ``decoder_input_ids`` built from the labels as the model builds them), or a
 function ``fn(outputs, labels) -> (loss_sum, count)``. ``-100`` labels are never counted.
-(``"masked_lm"`` and ``"classification"``, the names of earlier releases, are refused with the
-name to use.)
+(``"masked_lm"`` and ``"classification"``, the names of earlier releases, still work with a
+``DeprecationWarning`` naming ``"token"`` and ``"sample"``.)
 
 :func:`check_trainer` runs a configured Trainer on copies, one window accumulated against the
 same rows as one full batch, and says whether its accumulation is exact.
@@ -71,6 +71,7 @@ from fullbatch._hf_settings import refuse_args
 from fullbatch._hf_window import KeepSchedule, TrainerWindow
 from fullbatch._proof._objective import (
     OBJECTIVES,
+    canonical,
     head_objective,
     logits_of,
     objective_count,
@@ -86,8 +87,6 @@ LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
 #: The declared objectives of ``fb.probe`` and ``fb.verify`` (one vocabulary), and
 #: ``"seq2seq"``: ``"token"`` on an encoder-decoder's decoder targets.
 LOSS_KINDS = (*OBJECTIVES, "seq2seq")
-#: Spellings of earlier releases, refused with the name to use.
-_RENAMED = {"masked_lm": "token", "classification": "sample"}
 
 
 def _kind_loss(kind: str, outputs: Any, labels: torch.Tensor, shifted: bool) -> tuple[Any, Any]:
@@ -168,11 +167,7 @@ class ExactTrainer(Trainer):
                 f"{type(self).__name__} needs loss=: one of {LOSS_KINDS} or a function "
                 "fn(outputs, labels) -> (loss_sum, count) (or a subclass overriding exact_loss)."
             )
-        if isinstance(loss, str) and loss in _RENAMED:
-            raise ValueError(
-                f"loss={loss!r} is now spelled loss={_RENAMED[loss]!r} (the objective names "
-                "fb.probe and fb.verify use); same loss, same count."
-            )
+        loss = canonical(loss, "loss")  # an earlier release's name: a DeprecationWarning
         if loss is not None and not callable(loss) and loss not in LOSS_KINDS:
             raise ValueError(
                 f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "

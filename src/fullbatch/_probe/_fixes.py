@@ -80,6 +80,18 @@ def fix(pattern: str, engine: Engine) -> str:
             "the first) so every replica applies the same gradient, or "
             f"{_ACCUMULATOR}."
         )
+    if pattern == "scaled clip":
+        return (
+            "Fix: unscale before clipping: scaler.scale(loss).backward(), then "
+            "scaler.unscale_(optimizer), then clip_grad_norm_(...), then "
+            "scaler.step(optimizer) and scaler.update()."
+        )
+    if pattern == "clip differs":
+        return (
+            "Fix: make the two one: with the Hugging Face Trainer and DeepSpeed, set "
+            '"gradient_clipping": "auto" in the DeepSpeed config (it then follows '
+            "max_grad_norm), or the same value in both places."
+        )
     if pattern == "counted twice":
         return f"Fix: one backward per micro-batch (sum its loss terms first), or {_route(engine)}."
     if pattern == "loss differs":

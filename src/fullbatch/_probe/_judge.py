@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass, replace
 
 from fullbatch._probe._fixes import fix
+from fullbatch._probe._judge_step import clip_note, step_findings
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._patterns import SLACK, matching, shapes
 
@@ -76,12 +77,15 @@ SPAN_FACTOR = 4.0
 @dataclass(frozen=True)
 class Judgement:
     """``ok``, the pattern's name and the sentence (with the fix when wrong); ``parts``: one
-    line per optimizer when several stepped together."""
+    line per optimizer when several stepped together; ``patterns``: every pattern named, the
+    first being ``pattern`` (a mean of means with a dropped micro-batch, a clip before
+    unscaling on a right accumulation)."""
 
     ok: bool
     pattern: str
     sentence: str
     parts: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
 
 
 def _margin(error: float, u: float, of: float = 1.0) -> float:
@@ -259,10 +263,33 @@ def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
 
 
 def judge(m: Measured, k_max: int) -> Judgement:
-    """Judge window ``m``; ``k_max``: the most micro-batches of any window checked.
+    """Judge window ``m``; ``k_max``: the most micro-batches of any window checked: its
+    accumulation (below), then the rest of the step (:mod:`fullbatch._probe._judge_step`).
 
     Doctested in ``tests/probe``: every pattern against a plain full-batch reference.
     """
+    return _with_step(_accumulation(m, k_max), m)
+
+
+def _with_step(j: Judgement, m: Measured) -> Judgement:
+    """The accumulation's judgement, and what the clips did to the step (wrong, or a note)."""
+    j = replace(j, patterns=j.patterns or (j.pattern,))
+    if m.problem is not None:
+        return j
+    found = step_findings(m)
+    if not found:
+        note = clip_note(m)
+        return j if note is None else replace(j, sentence=f"{j.sentence} ({note})")
+    text = "; ".join(t for _, t in found) + ". " + " ".join(fix(p, m.engine) for p, _ in found)
+    names = tuple(p for p, _ in found)
+    if j.ok:
+        return Judgement(False, names[0], text, j.parts, names)
+    return replace(j, sentence=f"{j.sentence} Also {text}", ok=False,
+                   patterns=(*j.patterns, *names))  # fmt: skip
+
+
+def _accumulation(m: Measured, k_max: int) -> Judgement:
+    """The rule of the module docstring: the accumulation alone."""
     whole = _judge(m, k_max)
     if len(m.parts) < 2 or m.problem is not None:
         return _fixed(whole, m)

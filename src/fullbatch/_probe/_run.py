@@ -95,7 +95,7 @@ class Probe:
         self.limit = window_limit(windows)
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
-        check_objective(objective)
+        objective = check_objective(objective)  # an earlier release's name: warned, renamed
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
         self._early = EarlyReference(objective, self.sampler_for)

@@ -129,6 +129,11 @@ class OpenWindow:
     applied: torch.Tensor | None = None  # sampled applied gradient, as the optimizer applies it
     divisor: torch.Tensor | None = None  # per sampled coordinate: the clip coefficient
     dtypes: list[torch.dtype] = field(default_factory=list)  # of the applied gradients read
+    judged_sq: float = 0.0  # ‖applied before any clip‖² over the parameters read
+    clip_sq: dict[int, float] = field(default_factory=dict)  # per clip: ‖its input, right‖²
+    clip_covered: dict[int, set[int]] = field(default_factory=dict)  # per clip: ids read
+    setting: tuple[float, str] | None = None  # the engine's own clip setting
+    units: tuple[tuple[str, float], ...] = ()  # other units the objective's loss may count in
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -210,8 +215,10 @@ class OpenWindow:
         stepped = reader.params()[: reader.stepped()]  # the model's, for what the engine steps
         grads = reader.applied()
         own = reader.clip()  # a clip the engine applied itself (DeepSpeed's gradient_clipping)
+        self.setting = self.setting or reader.clip_setting()
         if own is not None:
-            clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own)]
+            source = self.setting[1] if self.setting else f"{type(reader).name}'s own clip"
+            clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own, source)]
         self.window.clips.extend(clips)
         done = {i for part in self.parts for i in part.ids}
         mine = [p for p in stepped if id(p) in self._where and id(p) not in done]
@@ -231,6 +238,7 @@ class OpenWindow:
             part.ref += squared([raw], scale=scale)
             part.applied += squared([got])
             part.raw += squared([raw])
+            self._clip_inputs(p, got)
         if self.sampler is None or self.applied is None or self.divisor is None:
             return
         fresh = [p for p in reader.params() if id(p) in self._spans]
@@ -242,6 +250,21 @@ class OpenWindow:
             coef = math.prod(c.coef for c in self.window.clips if id(p) in c.params)
             self.applied[lo:hi] = sampled[lo:hi]
             self.divisor[lo:hi] = coef
+
+    def _clip_inputs(self, p: nn.Parameter, got: torch.Tensor | None) -> None:
+        """Add ``p``'s applied gradient, unclipped, to the judged norm and to what each clip of
+        ``p`` should have measured: the gradient before that clip and every later one."""
+        applying = [(i, c.coef) for i, c in enumerate(self.window.clips) if id(p) in c.params]
+        g2 = squared([got]) if got is not None else 0.0
+        coefs = [coef for _, coef in applying]
+        total = math.prod(coefs)
+        if total > 0 and math.isfinite(total):
+            self.judged_sq += g2 / total**2
+        for n, (i, _) in enumerate(applying):
+            later = math.prod(coefs[n:])
+            if later > 0 and math.isfinite(later):
+                self.clip_sq[i] = self.clip_sq.get(i, 0.0) + g2 / later**2
+            self.clip_covered.setdefault(i, set()).add(id(p))
 
     def masks(self) -> list[torch.Tensor]:
         """Per part, which sampled coordinates belong to its parameters."""
