@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
