@@ -85,7 +85,7 @@ def _own(obj: Any, route: str) -> Engine:
     name = route if declares else f"{route} ({type(obj).__name__})"
     clip = getattr(obj, "fullbatch_clip", None)
     published = clip() if callable(clip) else None
-    return Engine(name, fullbatch=True, clip=published)
+    return Engine(name, fullbatch=True, clip=published, trainer_object=obj)
 
 
 def _packages(obj: Any) -> list[tuple[str, str]]:

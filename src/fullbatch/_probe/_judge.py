@@ -323,6 +323,21 @@ def _fixed(j: Judgement, m: Measured) -> Judgement:
     return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine)}")
 
 
+def _in_unit(m: Measured) -> tuple[str, float] | None:
+    """The other unit of the declared objective (``Measured.units``) in which the applied
+    gradient is right: every weight and the factor at that unit's factor within their
+    precision, nothing outside the micro-batches' span; or None."""
+    f = m.fit
+    if f.unexplained > SPAN_FACTOR * f.noise + m.unit:
+        return None
+    for name, factor in m.units:
+        c = matching(f.weights, f.stderr, [1.0] * len(f.weights), Z, m.unit)
+        close = SLACK * factor + _margin(f.factor_stderr, m.unit, factor)
+        if c is not None and abs(c - factor) <= close and abs(f.factor - factor) <= close:
+            return name, f.factor
+    return None
+
+
 def _judge(m: Measured, k_max: int) -> Judgement:
     """The rule of the module docstring on one set of parameters; the sentence without fix."""
     if m.problem is not None:
@@ -337,6 +352,17 @@ def _judge(m: Measured, k_max: int) -> Judgement:
     leftover_off = abs(f.leftover) > _margin(f.leftover_stderr, m.unit)
     error_over = not m.error <= m.tolerance
     differ = m.ranks_differ > m.tolerance
+    unit = _in_unit(m) if (off or factor_off) and not (leftover_off or differ) else None
+    if unit is not None:
+        name, c = unit
+        return Judgement(
+            True,
+            "right",
+            f"right: the applied gradient is the full-batch gradient of the declared objective "
+            f"({m.objective}) counted in {name}: every micro-batch weighted {c:.4g} of a "
+            f"per-row sum alike, so the step is the full batch's in that unit "
+            f"({m.engine.name}).",
+        )
     if not (off or factor_off or leftover_off or error_over or differ):
         return Judgement(
             True,

@@ -26,6 +26,7 @@ from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
+from fullbatch._probe._trainer_objective import trainer_objective
 from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective
@@ -98,6 +99,7 @@ class Probe:
         objective = check_objective(objective)  # an earlier release's name: warned, renamed
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
+        self.objective_source = "declared" if objective is not None else ""
         self._early = EarlyReference(objective, self.sampler_for)
         self._capture = Capture(model, self._first_call, on_call=self._early)
         self._clips = ClipObserver()
@@ -165,7 +167,10 @@ class Probe:
         return sampler
 
     def _first_call(self, module: nn.Module, wrappers: tuple[nn.Module, ...]) -> None:
-        """The window's first forward of ``module``: keep what gradient it already holds."""
+        """The window's first forward of ``module``: keep what gradient it already holds. The
+        run's first: an undeclared objective asked of the trainer that runs, or refused."""
+        if self.objective is None and not self.objective_source:
+            self._paused(self._trainer_objective, None)
         sampler = self.sampler_for(module)
         reader = applied_gradient(Seen(tuple(sampler.params), (module,), wrappers))
         if reader.unsupported() is not None:
@@ -173,6 +178,17 @@ class Probe:
         grads = reader.leftover()
         if any(g is not None for g in grads):
             self._leftovers[id(module)] = sampler.take(grads)
+
+    def _trainer_objective(self) -> None:
+        """The objective the trainer running now trains, where it is known; a trainer whose
+        objective is no built-in one stops the run here, before any backward."""
+        known = trainer_objective(find_engine())
+        if known is None:
+            self.objective_source = "the model's head"
+            return
+        self.objective, self.objective_source = known
+        self._early = EarlyReference(self.objective, self.sampler_for)
+        self._capture.on_call = self._early
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
@@ -232,7 +248,7 @@ class Probe:
             return
         self._open = OpenWindow.start(
             window, reader, sampler_for=self.sampler_for, objective=self.objective,
-            ranks=self.ranks, engine=find_engine(),
+            ranks=self.ranks, engine=find_engine(), objective_source=self.objective_source,
         )  # fmt: skip
         self._open.read(optimizer, reader, self._clips_of(reader))
 

@@ -35,6 +35,7 @@ from fullbatch._probe._engines import Engine
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._proof._norms import squared
+from fullbatch._proof._objective import unwrapped
 
 __all__ = ["OpenWindow", "Part", "WindowData", "trained"]
 
@@ -111,6 +112,34 @@ def _label(index: int, optimizer: Any, params: list[nn.Parameter], names: dict[i
     return f"optimizer {index} ({type(optimizer).__name__}: {', '.join(shown)}{more})"
 
 
+def _source(objective: Any, said: str, calls: list[Call]) -> str:
+    """Where the objective came from, for the report."""
+    if objective is not None and said in ("", "declared"):
+        return "declared"
+    if said and said != "the model's head":
+        return said
+    head = type(unwrapped(calls[0].module)).__name__ if calls else "the model"
+    return f"inferred from {head}"
+
+
+def _units(name: str, calls: list[Call]) -> tuple[tuple[str, float], ...]:
+    """Other units a ``"sample"`` loss may count in: a float target with ``d > 1`` values per
+    row (every micro-batch alike) is also averaged over its ``d`` outputs by a mean-reduced
+    ``mse_loss``: every weight ``1/d``."""
+    if name != "sample" or not calls:
+        return ()
+    widths = set()
+    for call in calls:
+        labels, _ = call.labels()
+        if labels is None or not labels.is_floating_point() or labels.dim() == 0:
+            return ()
+        widths.add(labels[0].numel() if labels.shape[0] else 0)
+    d = widths.pop() if len(widths) == 1 else 0
+    if d > 1:
+        return ((f"elements: a mean over each row's {d} outputs too (mse_loss's default)", 1 / d),)
+    return ()
+
+
 @dataclass
 class OpenWindow:
     """A window between its first optimizer's ``step()`` and its close (module docstring)."""
@@ -134,6 +163,7 @@ class OpenWindow:
     clip_covered: dict[int, set[int]] = field(default_factory=dict)  # per clip: ids read
     setting: tuple[float, str] | None = None  # the engine's own clip setting
     units: tuple[tuple[str, float], ...] = ()  # other units the objective's loss may count in
+    objective_source: str = ""
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -157,6 +187,7 @@ class OpenWindow:
         objective: Any,
         ranks: Any,
         engine: Engine,
+        objective_source: str = "",
     ) -> OpenWindow:
         """Recompute the reference for the first optimizer's ``reader.params()`` (the model's
         parameters it steps, then the module's other trainable ones) over the window's
@@ -198,6 +229,8 @@ class OpenWindow:
         out = cls(window, engine, name, sync, sampler, candidates, list(ref), every, rec,
                   _names(modules))  # fmt: skip
         out._where = {id(p): i for i, p in enumerate(candidates)}
+        out.objective_source = _source(objective, objective_source, mine)
+        out.units = _units(name, mine)
         if sampler is not None:
             out.applied = torch.zeros(sampler.size, dtype=torch.float64)
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
