@@ -121,6 +121,11 @@ class AppliedGradient(Protocol):
         asked for."""
         ...
 
+    def refused(self) -> str | None:
+        """Why fullbatch's own routes refuse this engine's configuration (the reason and what
+        they accept, from the one module of that engine's facts), or None."""
+        ...
+
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a step of ``optimizer`` with no micro-batch since this window was read is the
         same engine step (DeepSpeed steps the torch optimizer once per parameter group)."""
@@ -158,6 +163,9 @@ class Reader:
         return None
 
     def clip_setting(self) -> tuple[float, str] | None:
+        return None
+
+    def refused(self) -> str | None:
         return None
 
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:

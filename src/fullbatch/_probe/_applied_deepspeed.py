@@ -187,6 +187,16 @@ class DeepSpeedApplied(Reader):
             )
         return value, f"the DeepSpeed config's gradient_clipping={value:g}"
 
+    def refused(self) -> str | None:
+        """What :func:`fullbatch._deepspeed.refusal` says of this engine (0.17.0's ZeRO-2
+        offload keeps one backward's gradient: ``ExactEngine`` refuses it too)."""
+        from fullbatch._deepspeed import refusal
+
+        return refusal(
+            stage=self.stage, offload=bool(self.engine.zero_use_cpu_optimizer()),
+            micro_batches=int(self.engine.gradient_accumulation_steps()), version=_version(),
+        )  # fmt: skip
+
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:
         inner = getattr(self.zero, "optimizer", None)
         return (

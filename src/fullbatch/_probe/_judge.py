@@ -228,6 +228,32 @@ def _outliers(m: Measured, off: list[int]) -> tuple[str, str] | None:
     return None
 
 
+_BOTH = "dropped, and a mean of per-micro-batch means"
+
+
+def _dropped_and_shaped(m: Measured, off: list[int]) -> tuple[str, str] | None:
+    """Some micro-batches at weight 0 and the others a mean of per-micro-batch means (an engine
+    that keeps one backward's gradient, under a loop that averages per micro-batch)."""
+    w, e = m.fit.weights, m.fit.stderr
+    zeros = [k for k in off if abs(w[k]) <= Z * e[k] + SLACK]
+    rest = [k for k, x in enumerate(w) if k not in zeros and math.isfinite(x)]
+    if not zeros or len(rest) < 2:
+        return None
+    shape = shapes(m.counts, m.ranks, m.count)["mean of per-micro-batch means"]
+    c = matching([w[k] for k in rest], [e[k] for k in rest], [shape[k] for k in rest], Z, m.unit)
+    uniform = matching([w[k] for k in rest], [e[k] for k in rest], [1.0] * len(rest), Z, m.unit)
+    if c is None or uniform is not None:
+        return None
+    names = ", ".join(_where(m, k) for k in zeros)
+    lo, hi = min(rest, key=lambda k: w[k]), max(rest, key=lambda k: w[k])
+    return "dropped", (
+        f"{_BOTH}: {names} ran but contributed nothing (weight 0.00), and the others were "
+        f"each averaged over their own items, so they weigh by 1/(their item count): "
+        f"{_where(m, hi)} ({_items(m.counts[hi])}) weighted {w[hi]:.2f}, {_where(m, lo)} "
+        f"({_items(m.counts[lo])}) {w[lo]:.2f}"
+    )
+
+
 def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
     """The pattern of a window whose weights or factor are off (see the module docstring)."""
     f = m.fit
@@ -250,7 +276,7 @@ def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
         if name == "per-rank count":
             return _per_rank(m, c)
         return _mean_of_means(m, c)
-    named = _outliers(m, off) if off else None
+    named = (_outliers(m, off) or _dropped_and_shaped(m, off)) if off else None
     if named is not None:
         return named
     if not off:
@@ -280,7 +306,11 @@ def _with_step(j: Judgement, m: Measured) -> Judgement:
     if not found:
         note = clip_note(m)
         return j if note is None else replace(j, sentence=f"{j.sentence} ({note})")
-    text = "; ".join(t for _, t in found) + ". " + " ".join(fix(p, m.engine) for p, _ in found)
+    text = (
+        "; ".join(t for _, t in found)
+        + ". "
+        + " ".join(fix(p, m.engine, m.refused) for p, _ in found)
+    )
     names = tuple(p for p, _ in found)
     if j.ok:
         return Judgement(False, names[0], text, j.parts, names)
@@ -313,14 +343,14 @@ def _accumulation(m: Measured, k_max: int) -> Judgement:
     if right:
         text += f"; the parameters of {' and '.join(right)} are right"
     pattern = wrong[0][1].pattern
-    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine)}", lines)
+    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine, m.refused)}", lines)
 
 
 def _fixed(j: Judgement, m: Measured) -> Judgement:
     """The judgement with the fix appended when wrong (its sentence said what, not how)."""
     if j.ok or m.problem is not None:
         return j
-    return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine)}")
+    return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine, m.refused)}")
 
 
 def _in_unit(m: Measured) -> tuple[str, float] | None:
@@ -399,4 +429,5 @@ def _judge(m: Measured, k_max: int) -> Judgement:
                 "step(), or a loss that differs from the declared objective"
             ),
         )
-    return Judgement(False, pattern, text)
+    also = ("mean of per-micro-batch means",) if text.startswith(_BOTH) else ()
+    return Judgement(False, pattern, text, patterns=(pattern, *also))

@@ -171,7 +171,7 @@ def close(open_window: OpenWindow) -> Measured:
         clip=None if last is None else (last.max_norm, last.total_norm),
         problem=problem, problem_pattern=pattern, parts=parts, no_backward=window.no_backward,
         clips=clips, asked=asked, units=w.units, clip_source=last.source if last else "",
-        objective_source=w.objective_source,
+        objective_source=w.objective_source, refused=w.refused,
     )  # fmt: skip
 
 

@@ -102,6 +102,8 @@ class Measured:
         clips: each checkable clip of the window against the judged gradient.
         clip_source: what applied ``clip`` (``"clip_grad_norm_(max_norm=1)"``).
         asked: the configured clip against the applied one, where a trainer's setting says.
+        refused: why fullbatch's own routes refuse the engine's configuration (DeepSpeed
+            0.17.0's ZeRO-2 offload), so that no fix names them; None where they accept it.
         objective_source: where the objective came from (declared, inferred from a head or a
             trainer).
         units: other units of the declared objective that the loss may count in, each
@@ -132,3 +134,4 @@ class Measured:
     asked: StepAsked | None = None
     units: tuple[tuple[str, float], ...] = ()
     objective_source: str = ""
+    refused: str | None = None

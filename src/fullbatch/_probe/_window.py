@@ -164,6 +164,7 @@ class OpenWindow:
     setting: tuple[float, str] | None = None  # the engine's own clip setting
     units: tuple[tuple[str, float], ...] = ()  # other units the objective's loss may count in
     objective_source: str = ""
+    refused: str | None = None  # why fullbatch's routes refuse the engine's configuration
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -249,6 +250,7 @@ class OpenWindow:
         grads = reader.applied()
         own = reader.clip()  # a clip the engine applied itself (DeepSpeed's gradient_clipping)
         self.setting = self.setting or reader.clip_setting()
+        self.refused = self.refused or reader.refused()
         if own is not None:
             source = self.setting[1] if self.setting else f"{type(reader).name}'s own clip"
             clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own, source)]
