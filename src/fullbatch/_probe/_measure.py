@@ -161,6 +161,8 @@ def close(open_window: OpenWindow) -> Measured:
 
     problem, pattern = _problem(w.objective, k_total, count, applied_norm, window.clips,
                                 window.no_backward)  # fmt: skip
+    if problem is None and w.coupled is not None:
+        problem, pattern = w.coupled, "coupled loss"
     clipped = [c for c in window.clips if c.coef < 1.0]  # a clip that only measured: none
     last = clipped[-1] if clipped else None
     clips, asked = _clip_facts(w)

@@ -54,8 +54,10 @@ class WindowCheck:
             much, and the fix.
         pattern: ``"right"``, ``"mean of per-micro-batch means"``, ``"not normalized"``,
             ``"dropped"``, ``"counted twice"``, ``"leftover gradient"``, ``"ranks differ"``,
-            ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"nothing to
-            check"``, ``"unsupported"`` or ``"other"``.
+            ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"scaled clip"``,
+            ``"clip differs"``, ``"nothing to check"``, ``"unsupported"``, ``"coupled loss"``
+            (a callable objective whose rows interact: not judged per micro-batch) or
+            ``"other"``.
         engine: who stepped the optimizer (e.g. ``"transformers.Trainer"``).
         objective: the declared objective's name.
         ranks: micro-batches per rank (one entry in a single process).
@@ -161,7 +163,7 @@ def which(steps: list[int]) -> str:
 
 
 #: Patterns that mean a window could not be judged at all.
-UNCHECKED = ("nothing to check", "unsupported")
+UNCHECKED = ("nothing to check", "unsupported", "coupled loss")
 
 
 @dataclass(frozen=True)

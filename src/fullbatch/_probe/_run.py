@@ -19,6 +19,7 @@ from torch.optim import optimizer as optimizer_hooks
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
+from fullbatch._probe._coupled import one_per_micro
 from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
 from fullbatch._probe._hooks import Hooks, after_closure
@@ -241,6 +242,8 @@ class Probe:
         calls, self._outer = self._capture.take()
         self._early.new_window()
         kept, left_out = micro_batches(calls)
+        if callable(self.objective):  # forwards on one loop value: one micro-batch of fn's
+            kept, _ = one_per_micro(kept)
         window = WindowData(self._windows, kept, [], self._leftovers, no_backward=left_out)
         self._leftovers = {}
         reader = self._reader(trained(optimizer), window, optimizer, extra=True)

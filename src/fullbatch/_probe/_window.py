@@ -31,6 +31,7 @@ from fullbatch._probe._applied import AppliedGradient
 from fullbatch._probe._call_loss import resolve
 from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
+from fullbatch._probe._coupled import coupling
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
@@ -165,6 +166,7 @@ class OpenWindow:
     units: tuple[tuple[str, float], ...] = ()  # other units the objective's loss may count in
     objective_source: str = ""
     refused: str | None = None  # why fullbatch's routes refuse the engine's configuration
+    coupled: str | None = None  # why a callable objective cannot be judged per micro-batch
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -232,6 +234,7 @@ class OpenWindow:
         out._where = {id(p): i for i, p in enumerate(candidates)}
         out.objective_source = _source(objective, objective_source, mine)
         out.units = _units(name, mine)
+        out.coupled = coupling(objective, name, mine) if callable(objective) else None
         if sampler is not None:
             out.applied = torch.zeros(sampler.size, dtype=torch.float64)
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
