@@ -8,6 +8,17 @@ sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 PORT = sock.getsockname()[1]
 sock.close()
+os.environ.pop("LOCAL_SIZE", None)  # DeepSpeed's shared-memory all-reduce stays off
+os.environ.setdefault(  # the tests' build folder (tests/_dist_ds.py): DeepSpeed's ops built once
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.path.expanduser("~"),
+        ".cache",
+        "torch_extensions",
+        "fullbatch-"
+        + __import__("hashlib").sha1(__import__("sys").prefix.encode()).hexdigest()[:10],
+    ),
+)
 os.environ.update(
     DS_ACCELERATOR="cpu",
     RANK="0",

@@ -92,8 +92,9 @@ def clip_note(m: Measured) -> str | None:
         return None
     if _differs(a) is not None:
         return None
+    first = min(v for v in (a.asked, a.applied) if v > 0)
     return (
         f"note: {a.asked_source}={a.asked:g} but the clip applied is {a.applied_source}; "
         f"this window's gradient (norm {a.gradient_norm:.3g}) is clipped by neither, so the "
-        "step is the same; it will differ once the norm exceeds the smaller"
+        f"step is the same; steps will differ once the norm exceeds {first:g}"
     )
