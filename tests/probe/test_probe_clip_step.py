@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,3 +89,44 @@ def test_clip_after_unscale_that_clips_is_right() -> None:
     check = probe.report.windows[0]
     assert probe.report.ok and check.clip is not None, str(probe.report)
     assert "clip_grad_norm_(max_norm=0.05) saw norm" in str(check)
+
+
+def test_lightning_clip_other_than_gradient_clip_val_is_named() -> None:
+    """Lightning with ``gradient_clip_val=1e-3`` whose module's ``configure_gradient_clipping``
+    clips at 1.0 instead (the accumulation itself right: each micro-batch's loss sum times
+    K / N, Lightning divides by K). The truth: the update against SGD's step on the float64
+    full-batch gradient clipped at 1e-3, as the Trainer was asked."""
+    pytest.importorskip("lightning.pytorch")
+    import tempfile
+
+    from _lightning_cases import LM, fit, make_rows, micro_batches, pad, tiny_lm
+
+    k, sizes = 4, [1, 3, 2, 2]
+    rows = make_rows(sum(sizes), seed=5)
+    batches = micro_batches(rows, sizes)
+    count = float(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+
+    class ClipsAtOne(LM):
+        def configure_gradient_clipping(self, optimizer: Any, *_: Any, **__: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)  # not the Trainer's value
+
+    net = tiny_lm().double()
+    start = copy.deepcopy(net)
+    module = ClipsAtOne(net, step_output=lambda loss_sum, n: loss_sum * k / count)
+    with tempfile.TemporaryDirectory() as tmp, fb.probe(objective="causal_lm") as probe:
+        rec = fit(module, batches, k=k, root=tmp, exact=False, gradient_clip_val=1e-3)
+    ref = copy.deepcopy(start)
+    full = pad(rows)
+    logits = ref(full["input_ids"])[:, :-1]
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), full["labels"][:, 1:].reshape(-1),
+                    ignore_index=-100).backward()  # fmt: skip
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    asked = torch.cat([-0.1 * p.grad.flatten() for p in ref.parameters()])
+    moved = torch.cat([(a - b).flatten() for a, b in zip(rec.params[0], start.parameters(),
+                                                         strict=True)])  # fmt: skip
+    assert float((moved - asked).norm() / asked.norm()) > 1.0  # far from the step asked for
+    check = probe.report.windows[0]
+    assert not probe.report.ok and check.pattern == "clip differs", str(probe.report)
+    assert check.error < 1e-10  # the accumulation itself is right
+    assert "Trainer(gradient_clip_val=0.001)=0.001" in check.diagnosis
+    assert "clip_grad_norm_(max_norm=1)" in check.diagnosis
