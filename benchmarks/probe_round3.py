@@ -58,7 +58,11 @@ def _env() -> dict[str, str]:
 
 def _run(cmd: list[str]) -> tuple[int, str, float]:
     start = time.perf_counter()
-    out = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=_env(), timeout=600)
+    try:
+        out = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=_env(),
+                             timeout=600)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return -1, "(timed out after 600 s)", time.perf_counter() - start
     return out.returncode, out.stdout + out.stderr, time.perf_counter() - start
 
 
