@@ -4,7 +4,7 @@
 - The stock ``Trainer`` with a DeepSpeed config (``gradient_accumulation_steps=4`` of 2 rows):
   a causal LM that honours ``num_items_in_batch`` (right), a BERT masked-LM head that drops it
   (a per-micro-batch mean: wrong), and the causal LM with ``gradient_clipping`` left out of the
-  config (DeepSpeed then clips at 1.0 although ``max_grad_norm`` is 0); ``ExactTrainer`` on the
+  config (DeepSpeed then clips at 1.0 although ``max_grad_norm`` is 0.3); ``ExactTrainer`` on the
   same config. Each is probed for its first two windows; the causal LM also runs unprobed, and
   both runs' full parameters after every step come back.
 - Accelerate's DeepSpeed plugin: a loop with ``accelerator.backward`` on a per-micro-batch
@@ -39,18 +39,24 @@ def _steps_recorder(steps: list[Any]) -> Any:
 
 
 def trainer_run(run: tuple[Any, ...], rows: list[Any], probed: bool) -> dict[str, Any]:
-    """``run = (stage, offload, model kind, ExactTrainer loss or None, gradient_clipping)``."""
+    """``run = (stage, offload, model kind, ExactTrainer loss or None, gradient_clipping[,
+    max_grad_norm])`` (``max_grad_norm`` 0 unless given)."""
     from transformers import Trainer
 
     import fullbatch as fb
 
-    stage, offload, kind, exact, clip = run
+    stage, offload, kind, exact, clip = run[:5]
+    max_grad_norm = run[5] if len(run) > 5 else 0.0
     steps: list[Any] = []
     objective = "causal_lm" if kind == "causal_lm" else "token"
     model = (h.llama() if kind == "causal_lm" else h.bert("masked_lm")).float()
     with tempfile.TemporaryDirectory() as tmp:
         args = h.training_args(
-            tmp, k=K, batch=BATCH, deepspeed=trainer_config(stage, offload=offload, clip=clip)
+            tmp,
+            k=K,
+            batch=BATCH,
+            deepspeed=trainer_config(stage, offload=offload, clip=clip),
+            max_grad_norm=max_grad_norm,
         )
         kwargs: dict[str, Any] = dict(
             model=model,
@@ -117,7 +123,7 @@ def accelerate_run(rank: int, world: int, stage: int, offload: bool, how: str) -
 TRAINER_RUNS = [
     (2, True, "causal_lm", None, "auto"),
     (3, False, "masked_lm", None, "auto"),
-    (2, False, "causal_lm", None, None),
+    (2, False, "causal_lm", None, None, 0.3),
     (3, True, "causal_lm", "causal_lm", "auto"),
 ]
 

@@ -4,9 +4,11 @@ DeepSpeed plugin, 2 gloo ranks on CPU, one process group (tests/_probe_ds_hf_cas
 The stock Trainer at ZeRO-2 with offload on a causal LM that honours ``num_items_in_batch`` is
 right (and its parameters are bitwise those of an unprobed run); on a BERT masked-LM head that
 drops it (ZeRO-3) the probe says wrong, several times off (the issue measured 3.2 on 1 rank);
-with ``gradient_clipping`` left out of the DeepSpeed config, DeepSpeed clips at 1.0 although
-``max_grad_norm`` is 0: the probe compares before that clip, reports it and finds the
-accumulation right. ``ExactTrainer`` (ZeRO-3, offload) is right. A loop on Accelerate's
+with ``gradient_clipping`` left out of the DeepSpeed config, DeepSpeed clips at its default 1.0
+although ``max_grad_norm`` is 0.3: the accumulation is right (compared before the clip) but the
+step is not the one asked for, and the probe says so, naming both values and where each comes
+from (the update's norm, read from the parameters, is the learning rate times 1.0, not 0.3).
+``ExactTrainer`` (ZeRO-3, offload) is right. A loop on Accelerate's
 DeepSpeed engine that backpropagates per-micro-batch means is "mean of per-micro-batch means"
 and the fix names ``ExactEngine``; ``ExactEngine`` on the same prepared engine is right.
 """
@@ -65,12 +67,29 @@ def test_stock_trainer_masked_lm_head_is_wrong(results: list[Any]) -> None:
         assert "fullbatch.hf.ExactTrainer" in report.windows[0].diagnosis
 
 
-def test_deepspeed_default_clip_is_reported_not_blamed(results: list[Any]) -> None:
+def test_deepspeed_default_clip_against_max_grad_norm_is_named(results: list[Any]) -> None:
+    import _hf_cases as h
+
     for report in _reports(results, NO_CLIP):
-        assert report.ok, str(report)
+        assert not report.ok, str(report)
         for window in report.windows:
+            assert window.pattern == "clip differs", window.diagnosis
+            assert window.error < 1e-5  # the accumulation itself is right
             assert window.clip is not None and window.clip[0] == 1.0
             assert window.clip[1] > 1.0  # DeepSpeed did clip: the norm was above 1.0
+            text = window.diagnosis
+            assert "TrainingArguments.max_grad_norm=0.3" in text, text
+            assert "default gradient_clipping=1 (the config leaves gradient_clipping out)" in text
+            assert "TrainingArguments.max_grad_norm=0.3" in window.clip_asked
+    # the truth, from the parameters: SGD(lr=0.1) moved them by lr x 1.0 (DeepSpeed's clip),
+    # where max_grad_norm=0.3 asks lr x 0.3: the probe's ratio is the run's
+    start = {n: p.detach().double() for n, p in h.llama().float().named_parameters()}
+    for res, report in zip(results, _reports(results, NO_CLIP), strict=True):
+        first = res[NO_CLIP]["steps"][0]
+        moved = sum(float((first[n] - start[n]).pow(2).sum()) for n in start) ** 0.5
+        assert moved == pytest.approx(0.1 * 1.0, rel=1e-4)
+        said = float(report.windows[0].diagnosis.split(" x the update asked for")[0].split()[-1])
+        assert said == pytest.approx(moved / (0.1 * 0.3), rel=1e-2)
 
 
 def test_exact_trainer_on_deepspeed_is_right(results: list[Any]) -> None:

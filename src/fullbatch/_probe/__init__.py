@@ -56,7 +56,14 @@ One job per module:
   optimizer's applied gradient against it; ``_measure``: the window closed over every rank;
 - ``_fit``: each micro-batch's weight, the factor, the leftover, and their precisions;
 - ``_measured``: what a window's check measured; ``_patterns``: the shapes mistakes leave on
-  the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_fixes``: the fix;
+  the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_judge_step``: its rule
+  for the rest of the step (a clip on scaled gradients, a configured clip against the applied
+  one); ``_fixes``: the fix;
+- ``_coupled``: forwards of one loop value as one micro-batch of a callable objective, and a
+  loss that couples a micro-batch's rows named instead of judged;
+- ``_trainer_objective``: the objective of the trainer that runs (``ExactTrainer``'s
+  ``loss=``, TRL's ``SFTTrainer``), or a refusal before anything trains where it is no
+  built-in one (TRL's DPO, KTO, ORPO, GRPO, ...);
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
   measured windows, each judged;

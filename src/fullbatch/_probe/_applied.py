@@ -120,6 +120,18 @@ class AppliedGradient(Protocol):
         applies itself to :meth:`applied` (not through ``clip_grad_norm_``), or None."""
         ...
 
+    def clip_setting(self) -> tuple[float, str] | None:
+        """The max norm the engine is configured to clip at (0: off) and where that value comes
+        from (``"DeepSpeed's default (the config leaves gradient_clipping out)"``), or None for
+        an engine without a clip of its own: the judge compares it with the one the trainer was
+        asked for."""
+        ...
+
+    def refused(self) -> str | None:
+        """Why fullbatch's own routes refuse this engine's configuration (the reason and what
+        they accept, from the one module of that engine's facts), or None."""
+        ...
+
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a step of ``optimizer`` with no micro-batch since this window was read is the
         same engine step (DeepSpeed steps the torch optimizer once per parameter group)."""
@@ -157,6 +169,12 @@ class Reader:
         return contextlib.nullcontext()
 
     def clip(self) -> tuple[float, float, float] | None:
+        return None
+
+    def clip_setting(self) -> tuple[float, str] | None:
+        return None
+
+    def refused(self) -> str | None:
         return None
 
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:

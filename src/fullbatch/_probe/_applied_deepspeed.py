@@ -170,6 +170,28 @@ class DeepSpeedApplied(Reader):
             return None
         return max_norm, float(self._norm), float(self._coef)
 
+    def clip_setting(self) -> tuple[float, str]:
+        """``gradient_clipping`` as the engine runs it, and whether the config set it or left
+        it to DeepSpeed's default (1.0 since DeepSpeed #8068, 0 before)."""
+        config = getattr(getattr(self.engine, "_config", None), "_param_dict", None)
+        value = float(self.engine.gradient_clipping())
+        if isinstance(config, dict) and "gradient_clipping" not in config:
+            return value, (
+                f"DeepSpeed {_version()}'s default gradient_clipping={value:g} (the config "
+                "leaves gradient_clipping out)"
+            )
+        return value, f"the DeepSpeed config's gradient_clipping={value:g}"
+
+    def refused(self) -> str | None:
+        """What :func:`fullbatch._wings._deepspeed.refusal` says of this engine (0.17.0's ZeRO-2
+        offload keeps one backward's gradient: ``ExactEngine`` refuses it too)."""
+        from fullbatch._wings._deepspeed import refusal
+
+        return refusal(
+            stage=self.stage, offload=bool(self.engine.zero_use_cpu_optimizer()),
+            micro_batches=int(self.engine.gradient_accumulation_steps()), version=_version(),
+        )  # fmt: skip
+
     def continues(self, optimizer: torch.optim.Optimizer) -> bool:
         inner = getattr(self.zero, "optimizer", None)
         return (

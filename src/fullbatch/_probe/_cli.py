@@ -196,8 +196,16 @@ def _module_exists(name: str) -> bool:
 def _objective(spec: str | None) -> Any:
     """A built-in objective's name, or the function a ``MODULE:FN`` / ``FILE.py:FN`` names."""
     from fullbatch._proof._loader import LoadError, load_function
-    from fullbatch._proof._objective import OBJECTIVES
+    from fullbatch._proof._objective import OBJECTIVES, RENAMED
 
+    if spec in RENAMED:  # an earlier release's name: said once, run under its current name
+        if _rank() == 0:
+            print(
+                f"fullbatch probe: note: --objective {spec} is deprecated: it is now "
+                f"--objective {RENAMED[spec]} (same loss, same count)",
+                file=sys.stderr,
+            )
+        return RENAMED[spec]
     if spec is None or spec in OBJECTIVES:
         return spec
     if ":" not in spec:

@@ -30,14 +30,16 @@ __all__ = ["Clip", "ClipObserver"]
 
 @dataclass(frozen=True)
 class Clip:
-    """One ``clip_grad_norm_`` call: its parameters' ids, ``max_norm``, the norm it measured and
-    the coefficient it multiplied the gradients by (1.0 when it did not clip); ``coef`` NaN for
-    a ``clip_grad_value_`` call."""
+    """One ``clip_grad_norm_`` call: the ids of its parameters that hold a gradient,
+    ``max_norm``, the norm it measured and the coefficient it multiplied the gradients by (1.0
+    when it did not clip); ``coef`` NaN for a ``clip_grad_value_`` call; ``source``: what
+    clipped, for the report (``"clip_grad_norm_(max_norm=1)"``)."""
 
     params: frozenset[int]
     max_norm: float
     total_norm: float
     coef: float
+    source: str = ""
 
 
 @dataclass
@@ -56,8 +58,9 @@ class ClipObserver:
             params = _listed(parameters)
             norm = torch.as_tensor(total_norm).detach()
             coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # as torch computes it
-            ids = frozenset(id(p) for p in params)
-            self.clips.append(Clip(ids, float(max_norm), float(norm), float(coef)))
+            ids = frozenset(id(p) for p in params if p.grad is not None)
+            source = f"clip_grad_norm_(max_norm={float(max_norm):g})"
+            self.clips.append(Clip(ids, float(max_norm), float(norm), float(coef), source))
             return apply(params, max_norm, total_norm, *args, **kwargs)
 
         @functools.wraps(value)
@@ -99,7 +102,8 @@ class ClipObserver:
         clips = self.take_all()
         if engine.clip is not None:
             max_norm, total, coef = engine.clip
-            clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef))
+            source = f"{engine.name}'s clip at max_grad_norm={max_norm:g}"
+            clips.append(Clip(frozenset(id(p) for p in params), max_norm, total, coef, source))
         return clips
 
 

@@ -18,7 +18,7 @@ come from (``transformers``, ``trl``, ``lightning``, ``composer``, ``super_gradi
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -47,6 +47,11 @@ class Engine:
         trainer: the class name of a foreign trainer (``"SFTTrainer"``), or None.
         clip: ``(max_norm, total_norm, coefficient)`` of a clip the engine applied itself, not
             through ``clip_grad_norm_``, as it published it.
+        clip_asked: the clip a foreign trainer was configured with, ``(max_norm, where)``
+            (0: no clip; ``"TrainingArguments.max_grad_norm"``, Lightning's
+            ``"Trainer(gradient_clip_val=...)"``), or None where no trainer setting says.
+        trainer_object: the trainer itself (its class and configuration answer what objective
+            it trains: :mod:`fullbatch._probe._trainer_objective`), or None.
     """
 
     name: str
@@ -54,6 +59,8 @@ class Engine:
     package: str | None = None
     trainer: str | None = None
     clip: tuple[float, float, float] | None = None
+    clip_asked: tuple[float, str] | None = None
+    trainer_object: Any = field(default=None, compare=False, repr=False)
 
 
 def declared_route(obj: Any) -> str | None:
@@ -78,7 +85,7 @@ def _own(obj: Any, route: str) -> Engine:
     name = route if declares else f"{route} ({type(obj).__name__})"
     clip = getattr(obj, "fullbatch_clip", None)
     published = clip() if callable(clip) else None
-    return Engine(name, fullbatch=True, clip=published)
+    return Engine(name, fullbatch=True, clip=published, trainer_object=obj)
 
 
 def _packages(obj: Any) -> list[tuple[str, str]]:
@@ -98,7 +105,19 @@ def _lightning(obj: Any) -> Engine | None:
         route = declared_route(callback)
         if route is not None:
             return Engine(route, fullbatch=True)
-    return Engine("Lightning", package="lightning")
+    asked = None
+    if getattr(trainer, "gradient_clip_algorithm", "norm") in ("norm", None):
+        value = getattr(trainer, "gradient_clip_val", None)
+        asked = (float(value or 0.0), f"Trainer(gradient_clip_val={value})")
+    return Engine("Lightning", package="lightning", clip_asked=asked, trainer_object=trainer)
+
+
+def _max_grad_norm(obj: Any) -> tuple[float, str] | None:
+    """A Hugging Face trainer's ``args.max_grad_norm`` (0 or None: no clip), or None."""
+    value = getattr(getattr(obj, "args", None), "max_grad_norm", "absent")
+    if value != "absent" and (value is None or isinstance(value, (int, float))):
+        return float(value or 0.0), "TrainingArguments.max_grad_norm"
+    return None
 
 
 def _foreign(obj: Any) -> Engine | None:
@@ -107,10 +126,12 @@ def _foreign(obj: Any) -> Engine | None:
     cls = type(obj).__name__
     trainer = any(name.endswith("Trainer") for _, name in classes)
     if "trl" in packages and trainer:
-        return Engine(f"trl.{cls}", package="trl", trainer=cls)
+        return Engine(f"trl.{cls}", package="trl", trainer=cls, clip_asked=_max_grad_norm(obj),
+                      trainer_object=obj)  # fmt: skip
     if "transformers" in packages and trainer:
         name = f"transformers.{cls}" if cls == "Trainer" else f"{cls} (transformers)"
-        return Engine(name, package="transformers", trainer=cls)
+        return Engine(name, package="transformers", trainer=cls,
+                      clip_asked=_max_grad_norm(obj), trainer_object=obj)  # fmt: skip
     if packages & {"lightning", "pytorch_lightning"}:
         return _lightning(obj)
     for package, name in _TRAINER_PACKAGES.items():

@@ -62,12 +62,19 @@ def _route(engine: Engine) -> str:
     return _ACCUMULATOR
 
 
-def fix(pattern: str, engine: Engine) -> str:
-    """One sentence: what to change for ``pattern`` on ``engine``.
+def fix(pattern: str, engine: Engine, refused: str | None = None) -> str:
+    """One sentence: what to change for ``pattern`` on ``engine``; ``refused``: why fullbatch's
+    own routes refuse this engine's configuration (then the fix names what they accept,
+    never a route that would refuse it).
 
     >>> fix("leftover gradient", Engine("a hand-written loop"))
     'Fix: call optimizer.zero_grad(set_to_none=True) after every step and once before the loop.'
     """
+    if refused is not None and pattern not in ("leftover gradient", "scaled clip", "clip differs"):
+        return (
+            f"Fix: {refused}; fullbatch's routes refuse this configuration for that reason "
+            "(in a configuration they accept, they make the step exact)."
+        )
     if pattern == "leftover gradient":
         return (
             "Fix: call optimizer.zero_grad(set_to_none=True) after every step and once before "
@@ -79,6 +86,18 @@ def fix(pattern: str, engine: Engine) -> str:
             "(DDP: no_sync() on the others only, and one backward per micro-batch: DDP reduces "
             "the first) so every replica applies the same gradient, or "
             f"{_ACCUMULATOR}."
+        )
+    if pattern == "scaled clip":
+        return (
+            "Fix: unscale before clipping: scaler.scale(loss).backward(), then "
+            "scaler.unscale_(optimizer), then clip_grad_norm_(...), then "
+            "scaler.step(optimizer) and scaler.update()."
+        )
+    if pattern == "clip differs":
+        return (
+            "Fix: make the two one: with the Hugging Face Trainer and DeepSpeed, set "
+            '"gradient_clipping": "auto" in the DeepSpeed config (it then follows '
+            "max_grad_norm), or the same value in both places."
         )
     if pattern == "counted twice":
         return f"Fix: one backward per micro-batch (sum its loss terms first), or {_route(engine)}."

@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass, replace
 
 from fullbatch._probe._fixes import fix
+from fullbatch._probe._judge_step import clip_note, step_findings
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._patterns import SLACK, matching, shapes
 
@@ -76,12 +77,15 @@ SPAN_FACTOR = 4.0
 @dataclass(frozen=True)
 class Judgement:
     """``ok``, the pattern's name and the sentence (with the fix when wrong); ``parts``: one
-    line per optimizer when several stepped together."""
+    line per optimizer when several stepped together; ``patterns``: every pattern named, the
+    first being ``pattern`` (a mean of means with a dropped micro-batch, a clip before
+    unscaling on a right accumulation)."""
 
     ok: bool
     pattern: str
     sentence: str
     parts: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
 
 
 def _margin(error: float, u: float, of: float = 1.0) -> float:
@@ -224,6 +228,32 @@ def _outliers(m: Measured, off: list[int]) -> tuple[str, str] | None:
     return None
 
 
+_BOTH = "dropped, and a mean of per-micro-batch means"
+
+
+def _dropped_and_shaped(m: Measured, off: list[int]) -> tuple[str, str] | None:
+    """Some micro-batches at weight 0 and the others a mean of per-micro-batch means (an engine
+    that keeps one backward's gradient, under a loop that averages per micro-batch)."""
+    w, e = m.fit.weights, m.fit.stderr
+    zeros = [k for k in off if abs(w[k]) <= Z * e[k] + SLACK]
+    rest = [k for k, x in enumerate(w) if k not in zeros and math.isfinite(x)]
+    if not zeros or len(rest) < 2:
+        return None
+    shape = shapes(m.counts, m.ranks, m.count)["mean of per-micro-batch means"]
+    c = matching([w[k] for k in rest], [e[k] for k in rest], [shape[k] for k in rest], Z, m.unit)
+    uniform = matching([w[k] for k in rest], [e[k] for k in rest], [1.0] * len(rest), Z, m.unit)
+    if c is None or uniform is not None:
+        return None
+    names = ", ".join(_where(m, k) for k in zeros)
+    lo, hi = min(rest, key=lambda k: w[k]), max(rest, key=lambda k: w[k])
+    return "dropped", (
+        f"{_BOTH}: {names} ran but contributed nothing (weight 0.00), and the others were "
+        f"each averaged over their own items, so they weigh by 1/(their item count): "
+        f"{_where(m, hi)} ({_items(m.counts[hi])}) weighted {w[hi]:.2f}, {_where(m, lo)} "
+        f"({_items(m.counts[lo])}) {w[lo]:.2f}"
+    )
+
+
 def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
     """The pattern of a window whose weights or factor are off (see the module docstring)."""
     f = m.fit
@@ -246,7 +276,7 @@ def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
         if name == "per-rank count":
             return _per_rank(m, c)
         return _mean_of_means(m, c)
-    named = _outliers(m, off) if off else None
+    named = (_outliers(m, off) or _dropped_and_shaped(m, off)) if off else None
     if named is not None:
         return named
     if not off:
@@ -259,10 +289,37 @@ def _named(m: Measured, off: list[int], k_max: int) -> tuple[str, str]:
 
 
 def judge(m: Measured, k_max: int) -> Judgement:
-    """Judge window ``m``; ``k_max``: the most micro-batches of any window checked.
+    """Judge window ``m``; ``k_max``: the most micro-batches of any window checked: its
+    accumulation (below), then the rest of the step (:mod:`fullbatch._probe._judge_step`).
 
     Doctested in ``tests/probe``: every pattern against a plain full-batch reference.
     """
+    return _with_step(_accumulation(m, k_max), m)
+
+
+def _with_step(j: Judgement, m: Measured) -> Judgement:
+    """The accumulation's judgement, and what the clips did to the step (wrong, or a note)."""
+    j = replace(j, patterns=j.patterns or (j.pattern,))
+    if m.problem is not None:
+        return j
+    found = step_findings(m)
+    if not found:
+        note = clip_note(m)
+        return j if note is None else replace(j, sentence=f"{j.sentence} ({note})")
+    text = (
+        "; ".join(t for _, t in found)
+        + ". "
+        + " ".join(fix(p, m.engine, m.refused) for p, _ in found)
+    )
+    names = tuple(p for p, _ in found)
+    if j.ok:
+        return Judgement(False, names[0], text, j.parts, names)
+    return replace(j, sentence=f"{j.sentence} Also {text}", ok=False,
+                   patterns=(*j.patterns, *names))  # fmt: skip
+
+
+def _accumulation(m: Measured, k_max: int) -> Judgement:
+    """The rule of the module docstring: the accumulation alone."""
     whole = _judge(m, k_max)
     if len(m.parts) < 2 or m.problem is not None:
         return _fixed(whole, m)
@@ -286,14 +343,29 @@ def judge(m: Measured, k_max: int) -> Judgement:
     if right:
         text += f"; the parameters of {' and '.join(right)} are right"
     pattern = wrong[0][1].pattern
-    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine)}", lines)
+    return Judgement(False, pattern, f"{text}. {fix(pattern, m.engine, m.refused)}", lines)
 
 
 def _fixed(j: Judgement, m: Measured) -> Judgement:
     """The judgement with the fix appended when wrong (its sentence said what, not how)."""
     if j.ok or m.problem is not None:
         return j
-    return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine)}")
+    return replace(j, sentence=f"{j.sentence}. {fix(j.pattern, m.engine, m.refused)}")
+
+
+def _in_unit(m: Measured) -> tuple[str, float] | None:
+    """The other unit of the declared objective (``Measured.units``) in which the applied
+    gradient is right: every weight and the factor at that unit's factor within their
+    precision, nothing outside the micro-batches' span; or None."""
+    f = m.fit
+    if f.unexplained > SPAN_FACTOR * f.noise + m.unit:
+        return None
+    for name, factor in m.units:
+        c = matching(f.weights, f.stderr, [1.0] * len(f.weights), Z, m.unit)
+        close = SLACK * factor + _margin(f.factor_stderr, m.unit, factor)
+        if c is not None and abs(c - factor) <= close and abs(f.factor - factor) <= close:
+            return name, f.factor
+    return None
 
 
 def _judge(m: Measured, k_max: int) -> Judgement:
@@ -310,6 +382,17 @@ def _judge(m: Measured, k_max: int) -> Judgement:
     leftover_off = abs(f.leftover) > _margin(f.leftover_stderr, m.unit)
     error_over = not m.error <= m.tolerance
     differ = m.ranks_differ > m.tolerance
+    unit = _in_unit(m) if (off or factor_off) and not (leftover_off or differ) else None
+    if unit is not None:
+        name, c = unit
+        return Judgement(
+            True,
+            "right",
+            f"right: the applied gradient is the full-batch gradient of the declared objective "
+            f"({m.objective}) counted in {name}: every micro-batch weighted {c:.4g} of a "
+            f"per-row sum alike, so the step is the full batch's in that unit "
+            f"({m.engine.name}).",
+        )
     if not (off or factor_off or leftover_off or error_over or differ):
         return Judgement(
             True,
@@ -346,4 +429,5 @@ def _judge(m: Measured, k_max: int) -> Judgement:
                 "step(), or a loss that differs from the declared objective"
             ),
         )
-    return Judgement(False, pattern, text)
+    also = ("mean of per-micro-batch means",) if text.startswith(_BOTH) else ()
+    return Judgement(False, pattern, text, patterns=(pattern, *also))

@@ -18,7 +18,7 @@ import torch
 
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._fit import Fit, fit
-from fullbatch._probe._measured import NO_FIT, Measured, PartMeasured
+from fullbatch._probe._measured import NO_FIT, ClipMeasured, Measured, PartMeasured, StepAsked
 from fullbatch._probe._window import OpenWindow
 from fullbatch._proof._tolerance import tolerance, unit_roundoff
 
@@ -161,15 +161,46 @@ def close(open_window: OpenWindow) -> Measured:
 
     problem, pattern = _problem(w.objective, k_total, count, applied_norm, window.clips,
                                 window.no_backward)  # fmt: skip
+    if problem is None and w.coupled is not None:
+        problem, pattern = w.coupled, "coupled loss"
     clipped = [c for c in window.clips if c.coef < 1.0]  # a clip that only measured: none
     last = clipped[-1] if clipped else None
+    clips, asked = _clip_facts(w)
     return Measured(
         step=window.step, engine=w.engine, objective=w.objective, error=error, band=band,
         tolerance=tol, ranks=per_rank, counts=counts, count=count, fit=result, unit=unit,
         applied_norm=applied_norm, ranks_differ=differ,
         clip=None if last is None else (last.max_norm, last.total_norm),
         problem=problem, problem_pattern=pattern, parts=parts, no_backward=window.no_backward,
+        clips=clips, asked=asked, units=w.units, clip_source=last.source if last else "",
+        objective_source=w.objective_source, refused=w.refused,
     )  # fmt: skip
+
+
+def _clip_facts(w: OpenWindow) -> tuple[tuple[ClipMeasured, ...], StepAsked | None]:
+    """Each clip whose parameters were all read, against the gradient it should have measured;
+    and, where the trainer was configured with a clip, that clip against the applied one."""
+    facts = []
+    for i, c in enumerate(w.window.clips):
+        if not math.isfinite(c.coef) or not c.params or c.params - w.clip_covered.get(i, set()):
+            continue
+        facts.append(ClipMeasured(c.source, c.max_norm, c.total_norm,
+                                  math.sqrt(w.clip_sq.get(i, 0.0)), c.coef))  # fmt: skip
+    asked = w.engine.clip_asked
+    if asked is None or w.engine.fullbatch or w.judged_sq <= 0:
+        return tuple(facts), None
+    applied_norm = math.sqrt(sum(p.applied for p in w.parts))
+    gradient_norm = math.sqrt(w.judged_sq)
+    norms = [c for c in w.window.clips if math.isfinite(c.coef)]
+    if norms:
+        applied, source = norms[-1].max_norm, norms[-1].source
+    elif w.setting is not None:
+        applied, source = w.setting
+    else:
+        applied, source = 0.0, "no clip seen (neither clip_grad_norm_ nor the engine's own)"
+    step = StepAsked(asked[0], asked[1], applied, source, applied_norm / gradient_norm,
+                     gradient_norm)  # fmt: skip
+    return tuple(facts), step
 
 
 def _part(label: str, sums: torch.Tensor, part_fit: Fit, k_total: int, delta_norm: float,

@@ -8,9 +8,51 @@ from dataclasses import dataclass
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._fit import Fit
 
-__all__ = ["NO_FIT", "Measured", "PartMeasured"]
+__all__ = ["NO_FIT", "ClipMeasured", "Measured", "PartMeasured", "StepAsked"]
 
 NO_FIT = Fit(())
+
+
+@dataclass(frozen=True)
+class ClipMeasured:
+    """One clip of the window, against the gradient being judged.
+
+    Attributes:
+        source: what clipped (``"clip_grad_norm_(max_norm=1)"``, DeepSpeed's setting).
+        max_norm: its max norm.
+        input_norm: the norm it measured (its input).
+        gradient_norm: the norm its input should have had: the applied gradient before this
+            clip and any later one, over the clip's parameters (a clip before
+            ``scaler.unscale_`` measures ``scale`` times it).
+        coef: the coefficient it multiplied the gradients by (1.0: it did not clip).
+    """
+
+    source: str
+    max_norm: float
+    input_norm: float
+    gradient_norm: float
+    coef: float
+
+
+@dataclass(frozen=True)
+class StepAsked:
+    """The clip a trainer was configured with against the clip applied.
+
+    Attributes:
+        asked, asked_source: the configured max norm (0: none) and where it is set
+            (``"TrainingArguments.max_grad_norm"``).
+        applied, applied_source: the max norm applied (0: none) and where that comes from
+            (``"DeepSpeed 0.19.8's default gradient_clipping=1 (...)"``, ``"no clip"``).
+        coef: the coefficient applied over the whole window (1.0: none).
+        gradient_norm: the norm of the gradient being judged, before any clip.
+    """
+
+    asked: float
+    asked_source: str
+    applied: float
+    applied_source: str
+    coef: float
+    gradient_norm: float
 
 
 @dataclass(frozen=True)
@@ -57,6 +99,16 @@ class Measured:
         problem, problem_pattern: why nothing could be judged (then everything else is moot).
         parts: one per optimizer when several stepped at the window's end, in their order.
         no_backward: forwards run with gradients that reached no backward, left out.
+        clips: each checkable clip of the window against the judged gradient.
+        clip_source: what applied ``clip`` (``"clip_grad_norm_(max_norm=1)"``).
+        asked: the configured clip against the applied one, where a trainer's setting says.
+        refused: why fullbatch's own routes refuse the engine's configuration (DeepSpeed
+            0.17.0's ZeRO-2 offload), so that no fix names them; None where they accept it.
+        objective_source: where the objective came from (declared, inferred from a head or a
+            trainer).
+        units: other units of the declared objective that the loss may count in, each
+            ``(name, factor)``: a loss in that unit weighs every micro-batch ``factor`` (a
+            mean over a regression row's outputs too: 1/outputs).
     """
 
     step: int
@@ -77,3 +129,9 @@ class Measured:
     problem_pattern: str = "nothing to check"
     parts: tuple[PartMeasured, ...] = ()
     no_backward: int = 0
+    clips: tuple[ClipMeasured, ...] = ()
+    clip_source: str = ""
+    asked: StepAsked | None = None
+    units: tuple[tuple[str, float], ...] = ()
+    objective_source: str = ""
+    refused: str | None = None

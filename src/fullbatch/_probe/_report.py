@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 __all__ = ["UNCHECKED", "ProbeReport", "WindowCheck", "which"]
 
 
+def _weight(w: float) -> str:
+    """A weight as printed: ``-`` for a micro-batch with no counted items (no weight)."""
+    return "-" if math.isnan(w) else f"{w:.2f}"
+
+
 def _fmt(value: float) -> str:
     if math.isnan(value):
         return "nan"
@@ -35,7 +40,9 @@ class WindowCheck:
         micro_batches: micro-batches in the window, over all ranks.
         count: the declared objective's item count ``N`` over the window and all ranks.
         weights: each micro-batch's effective weight in the applied gradient divided by its
-            correct weight (1.0 when right), rank by rank, in the order they ran.
+            correct weight (1.0 when right), rank by rank, in the order they ran; NaN for a
+            micro-batch with no counted items (it has no correct weight: printed ``-``, and
+            the report says which hold no items).
         leftover: weight of the gradient present before the window's first backward (0.0
             when right; 1.0: it was kept whole).
         precision: each weight's standard error, measured on this run (the band run's
@@ -47,8 +54,10 @@ class WindowCheck:
             much, and the fix.
         pattern: ``"right"``, ``"mean of per-micro-batch means"``, ``"not normalized"``,
             ``"dropped"``, ``"counted twice"``, ``"leftover gradient"``, ``"ranks differ"``,
-            ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"nothing to
-            check"``, ``"unsupported"`` or ``"other"``.
+            ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"scaled clip"``,
+            ``"clip differs"``, ``"nothing to check"``, ``"unsupported"``, ``"coupled loss"``
+            (a callable objective whose rows interact: not judged per micro-batch) or
+            ``"other"``.
         engine: who stepped the optimizer (e.g. ``"transformers.Trainer"``).
         objective: the declared objective's name.
         ranks: micro-batches per rank (one entry in a single process).
@@ -58,6 +67,16 @@ class WindowCheck:
             right (...)"``); empty with one optimizer.
         no_backward: forwards run with gradients whose output reached no backward (a
             validation loss without ``torch.no_grad()``): not micro-batches of the window.
+        patterns: every pattern the diagnosis names, ``pattern`` first (``("mean of
+            per-micro-batch means", "dropped")``, ``("scaled clip",)``).
+        counts: each micro-batch's item count under the objective, in the order of
+            ``weights``.
+        clip_source: what applied ``clip`` (``"clip_grad_norm_(max_norm=1)"``, ``"the
+            DeepSpeed config's gradient_clipping=1"``).
+        clip_asked: the clip the trainer was configured with and the one applied, each with
+            where it comes from; empty where no trainer setting says.
+        objective_source: where the objective came from (``"declared"``, ``"inferred from
+            GPT2LMHeadModel"``, ``"fullbatch.hf.ExactTrainer(loss='token')"``).
     """
 
     step: int
@@ -80,6 +99,11 @@ class WindowCheck:
     factor_precision: float = math.nan
     optimizers: tuple[str, ...] = ()
     no_backward: int = 0
+    patterns: tuple[str, ...] = ()
+    counts: tuple[float, ...] = ()
+    clip_source: str = ""
+    clip_asked: str = ""
+    objective_source: str = ""
 
     def __str__(self) -> str:
         rank_text = f" on {len(self.ranks)} ranks" if len(self.ranks) > 1 else ""
@@ -90,20 +114,27 @@ class WindowCheck:
         )
         lines = [head]
         if self.weights:
-            shown = " ".join("nan" if math.isnan(w) else f"{w:.2f}" for w in self.weights[:16])
+            shown = " ".join(_weight(w) for w in self.weights[:16])
             more = f" ... ({len(self.weights)} in all)" if len(self.weights) > 16 else ""
             finite = [e for e in self.precision if math.isfinite(e)]
             within = f" (each ± {max(finite):.1g} or less)" if finite and max(finite) > 0 else ""
+            empty = [k + 1 for k, n in enumerate(self.counts) if n == 0]
+            if empty:
+                which_ = ", ".join(str(k) for k in empty[:8]) + (" ..." if len(empty) > 8 else "")
+                within += (
+                    f"; micro-batch{'es' * (len(empty) > 1)} {which_}: no items (-), nothing "
+                    "to weigh"
+                )
             lines.append(f"  weights: {shown}{more}{within}")
         if math.isfinite(self.factor):
             spread = self.factor_precision
             pm = f" ± {spread:.1g}" if math.isfinite(spread) and spread > 0 else ""
             lines.append(f"  factor on the full-batch gradient: {self.factor:.4g}{pm}")
         if self.clip is not None:
-            lines.append(
-                f"  clip_grad_norm_(max_norm={self.clip[0]:g}) saw norm {self.clip[1]:.4g}: "
-                "compared before the clip"
-            )
+            what = self.clip_source or f"clip_grad_norm_(max_norm={self.clip[0]:g})"
+            lines.append(f"  {what} saw norm {self.clip[1]:.4g}: compared before the clip")
+        if self.clip_asked:
+            lines.append(f"  clip: {self.clip_asked}")
         lines += [f"  {line}" for line in self.optimizers]
         if self.no_backward:
             n = self.no_backward
@@ -132,7 +163,7 @@ def which(steps: list[int]) -> str:
 
 
 #: Patterns that mean a window could not be judged at all.
-UNCHECKED = ("nothing to check", "unsupported")
+UNCHECKED = ("nothing to check", "unsupported", "coupled loss")
 
 
 @dataclass(frozen=True)

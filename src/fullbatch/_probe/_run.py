@@ -19,6 +19,7 @@ from torch.optim import optimizer as optimizer_hooks
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
+from fullbatch._probe._coupled import one_per_micro
 from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
 from fullbatch._probe._hooks import Hooks, after_closure
@@ -26,6 +27,7 @@ from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
+from fullbatch._probe._trainer_objective import trainer_objective
 from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective
@@ -95,9 +97,10 @@ class Probe:
         self.limit = window_limit(windows)
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
-        check_objective(objective)
+        objective = check_objective(objective)  # an earlier release's name: warned, renamed
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
+        self.objective_source = "declared" if objective is not None else ""
         self._early = EarlyReference(objective, self.sampler_for)
         self._capture = Capture(model, self._first_call, on_call=self._early)
         self._clips = ClipObserver()
@@ -165,7 +168,10 @@ class Probe:
         return sampler
 
     def _first_call(self, module: nn.Module, wrappers: tuple[nn.Module, ...]) -> None:
-        """The window's first forward of ``module``: keep what gradient it already holds."""
+        """The window's first forward of ``module``: keep what gradient it already holds. The
+        run's first: an undeclared objective asked of the trainer that runs, or refused."""
+        if self.objective is None and not self.objective_source:
+            self._paused(self._trainer_objective, None)
         sampler = self.sampler_for(module)
         reader = applied_gradient(Seen(tuple(sampler.params), (module,), wrappers))
         if reader.unsupported() is not None:
@@ -173,6 +179,17 @@ class Probe:
         grads = reader.leftover()
         if any(g is not None for g in grads):
             self._leftovers[id(module)] = sampler.take(grads)
+
+    def _trainer_objective(self) -> None:
+        """The objective the trainer running now trains, where it is known; a trainer whose
+        objective is no built-in one stops the run here, before any backward."""
+        known = trainer_objective(find_engine())
+        if known is None:
+            self.objective_source = "the model's head"
+            return
+        self.objective, self.objective_source = known
+        self._early = EarlyReference(self.objective, self.sampler_for)
+        self._capture.on_call = self._early
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
@@ -225,6 +242,8 @@ class Probe:
         calls, self._outer = self._capture.take()
         self._early.new_window()
         kept, left_out = micro_batches(calls)
+        if callable(self.objective):  # forwards on one loop value: one micro-batch of fn's
+            kept, _ = one_per_micro(kept)
         window = WindowData(self._windows, kept, [], self._leftovers, no_backward=left_out)
         self._leftovers = {}
         reader = self._reader(trained(optimizer), window, optimizer, extra=True)
@@ -232,7 +251,7 @@ class Probe:
             return
         self._open = OpenWindow.start(
             window, reader, sampler_for=self.sampler_for, objective=self.objective,
-            ranks=self.ranks, engine=find_engine(),
+            ranks=self.ranks, engine=find_engine(), objective_source=self.objective_source,
         )  # fmt: skip
         self._open.read(optimizer, reader, self._clips_of(reader))
 

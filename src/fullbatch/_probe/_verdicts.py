@@ -10,6 +10,15 @@ from fullbatch._probe._report import ProbeReport, WindowCheck
 __all__ = ["report_of"]
 
 
+def _asked(m: Measured) -> str:
+    """The configured clip and the applied one, each with where it comes from."""
+    a = m.asked
+    if a is None:
+        return ""
+    asked = f"{a.asked_source}={a.asked:g}" if a.asked > 0 else f"{a.asked_source}=0 (no clip)"
+    return f"asked {asked}; applied: {a.applied_source}"
+
+
 def report_of(measured: list[Measured], problems: list[str], limit: int | None) -> ProbeReport:
     """Every window checked, and what kept the probe from checking; ``limit``: the windows
     asked for (None: every one).
@@ -27,7 +36,9 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
             leftover=m.fit.leftover, diagnosis=verdict.sentence, pattern=verdict.pattern,
             engine=m.engine.name, objective=m.objective, ranks=m.ranks, clip=m.clip,
             precision=m.fit.stderr, factor=m.fit.factor, factor_precision=m.fit.factor_stderr,
-            optimizers=verdict.parts, no_backward=m.no_backward,
+            optimizers=verdict.parts, no_backward=m.no_backward, patterns=verdict.patterns,
+            counts=m.counts, clip_source=m.clip_source, clip_asked=_asked(m),
+            objective_source=m.objective_source,
         )  # fmt: skip
         checks.append(check)
     said = list(problems)

@@ -31,10 +31,12 @@ from fullbatch._probe._applied import AppliedGradient
 from fullbatch._probe._call_loss import resolve
 from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
+from fullbatch._probe._coupled import coupling
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._proof._norms import squared
+from fullbatch._proof._objective import unwrapped
 
 __all__ = ["OpenWindow", "Part", "WindowData", "trained"]
 
@@ -111,6 +113,34 @@ def _label(index: int, optimizer: Any, params: list[nn.Parameter], names: dict[i
     return f"optimizer {index} ({type(optimizer).__name__}: {', '.join(shown)}{more})"
 
 
+def _source(objective: Any, said: str, calls: list[Call]) -> str:
+    """Where the objective came from, for the report."""
+    if objective is not None and said in ("", "declared"):
+        return "declared"
+    if said and said != "the model's head":
+        return said
+    head = type(unwrapped(calls[0].module)).__name__ if calls else "the model"
+    return f"inferred from {head}"
+
+
+def _units(name: str, calls: list[Call]) -> tuple[tuple[str, float], ...]:
+    """Other units a ``"sample"`` loss may count in: a float target with ``d > 1`` values per
+    row (every micro-batch alike) is also averaged over its ``d`` outputs by a mean-reduced
+    ``mse_loss``: every weight ``1/d``."""
+    if name != "sample" or not calls:
+        return ()
+    widths = set()
+    for call in calls:
+        labels, _ = call.labels()
+        if labels is None or not labels.is_floating_point() or labels.dim() == 0:
+            return ()
+        widths.add(labels[0].numel() if labels.shape[0] else 0)
+    d = widths.pop() if len(widths) == 1 else 0
+    if d > 1:
+        return ((f"elements: a mean over each row's {d} outputs too (mse_loss's default)", 1 / d),)
+    return ()
+
+
 @dataclass
 class OpenWindow:
     """A window between its first optimizer's ``step()`` and its close (module docstring)."""
@@ -129,6 +159,14 @@ class OpenWindow:
     applied: torch.Tensor | None = None  # sampled applied gradient, as the optimizer applies it
     divisor: torch.Tensor | None = None  # per sampled coordinate: the clip coefficient
     dtypes: list[torch.dtype] = field(default_factory=list)  # of the applied gradients read
+    judged_sq: float = 0.0  # ‖applied before any clip‖² over the parameters read
+    clip_sq: dict[int, float] = field(default_factory=dict)  # per clip: ‖its input, right‖²
+    clip_covered: dict[int, set[int]] = field(default_factory=dict)  # per clip: ids read
+    setting: tuple[float, str] | None = None  # the engine's own clip setting
+    units: tuple[tuple[str, float], ...] = ()  # other units the objective's loss may count in
+    objective_source: str = ""
+    refused: str | None = None  # why fullbatch's routes refuse the engine's configuration
+    coupled: str | None = None  # why a callable objective cannot be judged per micro-batch
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -152,6 +190,7 @@ class OpenWindow:
         objective: Any,
         ranks: Any,
         engine: Engine,
+        objective_source: str = "",
     ) -> OpenWindow:
         """Recompute the reference for the first optimizer's ``reader.params()`` (the model's
         parameters it steps, then the module's other trainable ones) over the window's
@@ -193,6 +232,9 @@ class OpenWindow:
         out = cls(window, engine, name, sync, sampler, candidates, list(ref), every, rec,
                   _names(modules))  # fmt: skip
         out._where = {id(p): i for i, p in enumerate(candidates)}
+        out.objective_source = _source(objective, objective_source, mine)
+        out.units = _units(name, mine)
+        out.coupled = coupling(objective, name, mine) if callable(objective) else None
         if sampler is not None:
             out.applied = torch.zeros(sampler.size, dtype=torch.float64)
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
@@ -210,8 +252,11 @@ class OpenWindow:
         stepped = reader.params()[: reader.stepped()]  # the model's, for what the engine steps
         grads = reader.applied()
         own = reader.clip()  # a clip the engine applied itself (DeepSpeed's gradient_clipping)
+        self.setting = self.setting or reader.clip_setting()
+        self.refused = self.refused or reader.refused()
         if own is not None:
-            clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own)]
+            source = self.setting[1] if self.setting else f"{type(reader).name}'s own clip"
+            clips = [*clips, Clip(frozenset(id(p) for p in stepped), *own, source)]
         self.window.clips.extend(clips)
         done = {i for part in self.parts for i in part.ids}
         mine = [p for p in stepped if id(p) in self._where and id(p) not in done]
@@ -231,6 +276,7 @@ class OpenWindow:
             part.ref += squared([raw], scale=scale)
             part.applied += squared([got])
             part.raw += squared([raw])
+            self._clip_inputs(p, got)
         if self.sampler is None or self.applied is None or self.divisor is None:
             return
         fresh = [p for p in reader.params() if id(p) in self._spans]
@@ -242,6 +288,21 @@ class OpenWindow:
             coef = math.prod(c.coef for c in self.window.clips if id(p) in c.params)
             self.applied[lo:hi] = sampled[lo:hi]
             self.divisor[lo:hi] = coef
+
+    def _clip_inputs(self, p: nn.Parameter, got: torch.Tensor | None) -> None:
+        """Add ``p``'s applied gradient, unclipped, to the judged norm and to what each clip of
+        ``p`` should have measured: the gradient before that clip and every later one."""
+        applying = [(i, c.coef) for i, c in enumerate(self.window.clips) if id(p) in c.params]
+        g2 = squared([got]) if got is not None else 0.0
+        coefs = [coef for _, coef in applying]
+        total = math.prod(coefs)
+        if total > 0 and math.isfinite(total):
+            self.judged_sq += g2 / total**2
+        for n, (i, _) in enumerate(applying):
+            later = math.prod(coefs[n:])
+            if later > 0 and math.isfinite(later):
+                self.clip_sq[i] = self.clip_sq.get(i, 0.0) + g2 / later**2
+            self.clip_covered.setdefault(i, set()).add(id(p))
 
     def masks(self) -> list[torch.Tensor]:
         """Per part, which sampled coordinates belong to its parameters."""

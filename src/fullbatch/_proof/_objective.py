@@ -21,6 +21,7 @@ class name, looking through a known wrapper: :func:`unwrapped`) and :func:`check
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -32,7 +33,9 @@ __all__ = [
     "CHOICES",
     "HEADS",
     "OBJECTIVES",
+    "RENAMED",
     "WRAPPERS",
+    "canonical",
     "check_loss_output",
     "check_objective",
     "head_objective",
@@ -62,17 +65,56 @@ HEADS: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_objective(objective: Any) -> None:
-    """ValueError unless ``objective`` is None, a known name or a callable.
+#: Objective names of earlier releases and the names they are now (docs/probe.md, "Renamed
+#: names"): still accepted for at least one release, with a DeprecationWarning naming the new.
+RENAMED = {"masked_lm": "token", "classification": "sample"}
+
+
+def canonical(objective: Any, arg: str = "objective") -> Any:
+    """``objective`` under its current name: an earlier release's spelling (:data:`RENAMED`)
+    is accepted with a ``DeprecationWarning`` naming the new one; anything else is returned as
+    it is. ``arg`` names the argument in the warning (``"objective"``, ``"loss"``,
+    ``"--objective"``).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as said:
+    ...     warnings.simplefilter("always")
+    ...     canonical("masked_lm"), canonical("causal_lm")
+    ('token', 'causal_lm')
+    >>> print(str(said[0].message).split(";")[0])
+    objective='masked_lm' is deprecated: it is now objective='token' (same loss, same count)
+    """
+    if not isinstance(objective, str) or objective not in RENAMED:
+        return objective
+    new = RENAMED[objective]
+    old_text, new_text = (
+        (f"{arg} {objective}", f"{arg} {new}")
+        if arg.startswith("--")
+        else (f"{arg}={objective!r}", f"{arg}={new!r}")
+    )
+    warnings.warn(
+        f"{old_text} is deprecated: it is now {new_text} (same loss, same count); the old "
+        "name will be removed in a later release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return new
+
+
+def check_objective(objective: Any) -> Any:
+    """``objective`` under its current name (:func:`canonical`); ValueError unless it is None,
+    a known name or a callable.
 
     >>> check_objective("causal_lm")
+    'causal_lm'
     >>> check_objective("mean")
     Traceback (most recent call last):
     ...
     ValueError: objective='mean' is not known; pass objective='causal_lm' ...
     """
+    objective = canonical(objective)
     if objective is None or callable(objective) or objective in OBJECTIVES:
-        return
+        return objective
     raise ValueError(f"objective={objective!r} is not known; pass {CHOICES}.")
 
 

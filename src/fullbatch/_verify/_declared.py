@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullbatch._proof._objective import CHOICES, OBJECTIVES, objective_count
+from fullbatch._proof._objective import CHOICES, OBJECTIVES, canonical, objective_count
 
 __all__ = ["DeclaredCounts"]
 
@@ -54,6 +54,7 @@ class DeclaredCounts:
     """
 
     def __init__(self, objective: str | Callable[..., Any]) -> None:
+        objective = canonical(objective)
         if not callable(objective) and objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r} is not known; pass {CHOICES}.")
         self.objective = objective

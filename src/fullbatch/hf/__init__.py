@@ -9,9 +9,10 @@ micro-batch and rank), so clipping, callbacks and the optimizer see the full-bat
 window with no items, a non-finite loss or gradient is skipped as ``fb.Accumulator`` skips it
 (``trainer.fb_counters``). Loss kinds (``loss=``): ``"causal_lm"``, ``"token"``,
 ``"sample"``, ``"seq2seq"`` or ``fn(outputs, labels) -> (loss_sum, count)``; ``-100`` labels
-are never counted. :func:`check_trainer` runs a configured Trainer on copies, one window
-against the full batch. The whole story (DDP, FSDP2, DeepSpeed, what is refused):
-docs/integrations.md ("Hugging Face Trainer").
+are never counted (``"masked_lm"`` and ``"classification"``, earlier names, still work with a
+``DeprecationWarning`` naming ``"token"`` and ``"sample"``). :func:`check_trainer` runs a
+configured Trainer on copies, one window against the full batch. The whole story (DDP, FSDP2,
+DeepSpeed, what is refused): docs/integrations.md ("Hugging Face Trainer").
 
 >>> import fullbatch.hf
 >>> fullbatch.hf.ExactTrainer.__mro__[1].__name__

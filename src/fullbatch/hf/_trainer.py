@@ -21,6 +21,7 @@ from fullbatch._base._verdict import WindowCounters
 from fullbatch._base._versions import trainer_parallel_size
 from fullbatch._proof._objective import (
     OBJECTIVES,
+    canonical,
     head_objective,
     logits_of,
     objective_count,
@@ -37,8 +38,6 @@ LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]]
 #: The declared objectives of ``fb.probe`` and ``fb.verify`` (one vocabulary), and
 #: ``"seq2seq"``: ``"token"`` on an encoder-decoder's decoder targets.
 LOSS_KINDS = (*OBJECTIVES, "seq2seq")
-#: Spellings of earlier releases, refused with the name to use.
-_RENAMED = {"masked_lm": "token", "classification": "sample"}
 
 
 def _kind_loss(kind: str, outputs: Any, labels: torch.Tensor, shifted: bool) -> tuple[Any, Any]:
@@ -119,11 +118,7 @@ class ExactTrainer(Trainer):
                 f"{type(self).__name__} needs loss=: one of {LOSS_KINDS} or a function "
                 "fn(outputs, labels) -> (loss_sum, count) (or a subclass overriding exact_loss)."
             )
-        if isinstance(loss, str) and loss in _RENAMED:
-            raise ValueError(
-                f"loss={loss!r} is now spelled loss={_RENAMED[loss]!r} (the objective names "
-                "fb.probe and fb.verify use); same loss, same count."
-            )
+        loss = canonical(loss, "loss")  # an earlier release's name: a DeprecationWarning
         if loss is not None and not callable(loss) and loss not in LOSS_KINDS:
             raise ValueError(
                 f"loss={loss!r} is not one of {LOSS_KINDS} nor a function "

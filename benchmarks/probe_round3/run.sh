@@ -1,0 +1,2 @@
+#!/bin/bash
+python keep_training.py
