@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
 from fullbatch._probe._frames import find_labels, find_micro
+from fullbatch._probe._hooks import eager_hook
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
 
@@ -252,10 +253,11 @@ class Capture:
     _wrapper: nn.Module | None = None  # an explicit model's DDP wrapper
 
     def start(self) -> None:
-        # Run eagerly even inside a compiled call (``model.compile()`` compiles the module's
-        # whole call, hooks included): the hooks read frames and RNG state and keep tensors.
+        # Eager (they read frames and RNG state and keep tensors); a global hook never splits
+        # a compiled graph (``eager_hook``: a split graph rounds apart from the unprobed one).
         pre, post_hook = torch.compiler.disable(self._pre), torch.compiler.disable(self._post)
         if self.model is None:
+            pre, post_hook = eager_hook(self._pre), eager_hook(self._post)
             try:
                 post = module_hooks.register_module_forward_hook(
                     post_hook, with_kwargs=True, always_call=True
