@@ -244,6 +244,7 @@ class Capture:
     model: nn.Module | None
     on_first: Callable[[nn.Module, tuple[nn.Module, ...]], None]
     on_call: Callable[[Call, Any], None] | None = None
+    on_error: Callable[[Exception], None] | None = None  # what a hook raised (None: raise it)
     calls: list[Call] = field(default_factory=list)
     outer: dict[int, nn.Module] = field(default_factory=dict)
     paused: bool = False
@@ -255,9 +256,10 @@ class Capture:
     def start(self) -> None:
         # Eager (they read frames and RNG state and keep tensors); a global hook never splits
         # a compiled graph (``eager_hook``: a split graph rounds apart from the unprobed one).
-        pre, post_hook = torch.compiler.disable(self._pre), torch.compiler.disable(self._post)
+        inside = self.model is not None  # a hook on the given module must see its calls
+        pre = eager_hook(self._pre, compiled=inside, on_error=self.on_error)
+        post_hook = eager_hook(self._post, compiled=inside, on_error=self.on_error)
         if self.model is None:
-            pre, post_hook = eager_hook(self._pre), eager_hook(self._post)
             try:
                 post = module_hooks.register_module_forward_hook(
                     post_hook, with_kwargs=True, always_call=True

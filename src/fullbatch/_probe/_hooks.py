@@ -108,25 +108,46 @@ def after_closure(args: Any, kwargs: Any, check: Callable[[], None]) -> Any:
     return (closure_then_check, *args[1:]), kwargs
 
 
-def eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` as a global forward (pre-)hook that runs eagerly and never splits a graph.
+def eager_hook(
+    hook: Callable[..., Any],
+    *,
+    compiled: bool = False,
+    on_error: Callable[[Exception], None] | None = None,
+) -> Callable[..., Any]:
+    """``hook`` as a forward (pre-)hook that runs eagerly and never splits a graph it need not.
 
     Inside a call that dynamo traces, a module whose own call is not compiled as a whole (every
     module inside ``torch.compile(model)``, the modules inside a ``model.compile()``d one) gets
     a no-op that dynamo traces away: its graph is the unprobed one, bitwise. A module whose own
-    call is compiled (``model.compile()``: its hooks are inside its graph) runs ``hook`` behind
-    :func:`torch.compiler.disable`: a graph break at its call's edges only, so that the probe
-    still sees the call (and the body's graph stays whole). Eager calls run ``hook`` itself.
+    call is compiled (``model.compile()``: its hooks are inside its graph), or any module with
+    ``compiled=True`` (a hook on the one module the probe was given), runs ``hook`` behind
+    :func:`torch.compiler.disable`: a graph break at that call's edges only. Eager calls run
+    ``hook`` itself. ``on_error(error)``, when given, gets what ``hook`` raises (and may raise
+    it again); its return stands for the hook's.
 
     >>> calls = []
     >>> hook = eager_hook(lambda module, args: calls.append(type(module).__name__))
     >>> hook(torch.nn.Linear(1, 1), ()), calls
     (None, ['Linear'])
     """
-    disabled = torch.compiler.disable(hook)
+
+    def safe(*args: Any) -> Any:
+        try:
+            return hook(*args)
+        except Exception as error:
+            if on_error is None:
+                raise
+            on_error(error)
+            return None
+
+    disabled = torch.compiler.disable(safe)
 
     def eager(module: Any, *args: Any) -> Any:
-        if torch.compiler.is_compiling() and getattr(module, "_compiled_call_impl", None) is None:
+        if (
+            not compiled
+            and torch.compiler.is_compiling()
+            and getattr(module, "_compiled_call_impl", None) is None
+        ):
             return None  # inside a compiled call: the probe records the compiled module's call
         return disabled(module, *args)
 
