@@ -61,3 +61,31 @@ def test_the_run_is_bitwise_the_unprobed_run_when_the_probe_fails() -> None:
 
     for plain, probed in zip(train(False), train(True), strict=True):
         assert torch.equal(plain, probed)
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_a_forward_hook_that_fails_never_stops_a_kept_run(
+    keep_going: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's own forward hook raising (here: where it looks for the micro-batch)."""
+    import fullbatch._probe._capture as capture
+
+    def broken(ids: object) -> None:
+        raise LookupError("the probe's own bug")
+
+    monkeypatch.setattr(capture, "find_micro", broken)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = Probe(None, None, objective="sample", windows=1, ranks=None, keep_going=keep_going)
+    steps = 0
+    with contextlib.ExitStack() as stack:
+        if not keep_going:
+            stack.enter_context(pytest.raises(LookupError, match="the probe's own bug"))
+        with probe:
+            for _ in range(2):
+                F.cross_entropy(model(torch.randn(3, 4)), torch.tensor([0, 1, 2])).backward()
+                opt.step()
+                steps += 1
+    assert steps == (2 if keep_going else 0)
+    assert "not checked from window 1 on: the probe failed (LookupError" in str(probe.report)
+    assert probe._hooks._handles == [] and probe._capture._handles == []  # every hook gone

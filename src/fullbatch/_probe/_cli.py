@@ -324,12 +324,11 @@ def run(args: argparse.Namespace) -> int:
         except ProbeFinished:
             status = None
         except Exception as error:
-            if error is probe.failed:  # the probe's own check could not run: a usage error
-                return _fail(_usage_text(error))
-            import traceback
+            if error is not probe.failed:  # else the probe's own check failed: said below
+                import traceback
 
-            traceback.print_exc()  # the script's own error, as python would show it
-            status, raised = 1, error
+                traceback.print_exc()  # the script's own error, as python would show it
+                status, raised = 1, error
         if status not in (None, 0):
             probe.note_failure(_script_failure(status, raised))
     report = probe.report

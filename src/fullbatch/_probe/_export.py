@@ -110,9 +110,9 @@ def _plain(value: Any) -> Any:
 
 
 def _verdict(report: Any) -> str:
-    if any(
-        not w.ok and w.pattern not in ("nothing to check", "unsupported") for w in report.windows
-    ):
+    from fullbatch._probe._report import UNCHECKED
+
+    if any(not w.ok and w.pattern not in UNCHECKED for w in report.windows):
         return "wrong"
     if getattr(report, "failure", ""):
         return "failed"

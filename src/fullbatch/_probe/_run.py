@@ -187,15 +187,15 @@ class Probe:
     def _gave_up(
         self, error: Exception, optimizer: torch.optim.Optimizer | None, window: int = 0
     ) -> None:
-        """The probe's own check failed: with ``keep_going``, say so in the report and stop
-        probing (the run goes on); else stop probing and raise it."""
+        """The probe's own check failed: say so in the report and stop probing; with
+        ``keep_going`` the run goes on, else ``error`` is raised (out of the hook or step)."""
         self.failed = error
-        if self.keep_going:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            self._problems.append(
-                f"not checked from window {window or self._windows or 1} on: the probe failed "
-                f"({type(error).__name__}: {first}); the run went on without it"
-            )
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self._problems.append(
+            f"not checked from window {window or self._windows or 1} on: the probe failed "
+            f"({type(error).__name__}: {first}); "
+            + ("the run went on without it" if self.keep_going else "the run was stopped")
+        )
         self._open = None
         self._finish(optimizer)
         if not self.keep_going:
