@@ -27,7 +27,7 @@ def test_a_crash_in_window_2_after_a_right_window_1_exits_4_not_1(folder: Path) 
     result = probe(folder, "--objective", "obj.py:loss", "--", "python", "train.py",
                    "raises-in-window-2")  # fmt: skip
     assert result.returncode == FAILED == 4, result.stdout + result.stderr
-    assert result.stdout.startswith("fullbatch probe: FAILED after right windows (window 1 checked")
+    assert "\nfullbatch probe: FAILED after right windows (window 1 checked" in result.stdout
     assert "window 1: right" in result.stdout
     assert "failed: the script raised KeyError: 'a bug in window 2'" in result.stdout
     assert "KeyError: 'a bug in window 2'" in result.stderr  # its traceback, as python shows it
