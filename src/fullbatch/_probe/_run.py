@@ -411,8 +411,9 @@ def probe(
 
     Raises:
         ValueError: bad arguments (``windows`` anything but a positive int, None or "all");
-            at the first step, an objective that cannot be inferred or computed (e.g. no
-            labels), naming the choices.
+            at the model's first forward (before any backward), an objective that cannot be
+            inferred (:class:`ObjectiveUnknown`); at the first step, one that cannot be
+            computed (e.g. no labels), naming the choices.
 
     >>> import torch, fullbatch as fb
     >>> model = torch.nn.Linear(3, 4)
