@@ -92,22 +92,10 @@ def test_the_probe_compiles_the_graphs_the_unprobed_run_compiles() -> None:
     assert set(probed) == set(plain), (plain, probed)
 
 
-def _inductor_builds() -> str | None:
-    """Why inductor cannot compile on this machine's CPU, or None."""
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        return "no C++ compiler: inductor cannot build CPU kernels here"
-    try:
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
-    except Exception as error:  # any failure to build is a reason to skip
-        return f"inductor cannot build here: {type(error).__name__}: {error}"[:300]
-    return None
-
-
 @pytest.mark.parametrize("objective", ["sample", _objective], ids=["built-in", "callable"])
 def test_a_probed_inductor_run_is_bitwise_the_unprobed_run(objective: Any) -> None:
-    why = _inductor_builds()
-    if why is not None:
-        pytest.skip(why)
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler: inductor cannot build CPU kernels here")
 
     def run(objective: Any) -> tuple[dict[str, torch.Tensor], Any]:
         torch._dynamo.reset()
@@ -115,7 +103,10 @@ def test_a_probed_inductor_run_is_bitwise_the_unprobed_run(objective: Any) -> No
         report = _train(torch.compile(net), net.parameters(), objective)
         return {k: v.clone() for k, v in net.state_dict().items()}, report
 
-    plain, _ = run(None)
+    try:
+        plain, _ = run(None)  # no probe here: a failure is inductor's, on this machine
+    except Exception as error:  # any failure to build is a reason to skip
+        pytest.skip(f"inductor cannot build here: {type(error).__name__}: {error}"[:300])
     probed, report = run(objective)
     assert report.ok and [w.step for w in report.windows] == [1, 2], str(report)
     for name in plain:  # 3 steps: 2 probed, 1 after the probe's hooks are gone
