@@ -1,6 +1,6 @@
 """``fullbatch probe -- python train.py ARGS``: real subprocesses on tiny scripts, their exit
-codes (0 right, 1 wrong, 2 usage error with one line and no traceback, 3 nothing checked, the
-script's own status when it fails after right windows), the script's own ``sys.argv`` and
+codes (0 right, 1 wrong, 2 usage error with one line and no traceback, 3 nothing checked, 4
+the script failed after right windows: never its own status), the script's own ``sys.argv`` and
 ``__main__``, the windows checked (2 by default, ``--windows all``), and stopping after them."""
 
 from __future__ import annotations
@@ -134,18 +134,19 @@ def test_script_that_raises_before_a_window_shows_its_traceback_and_exits_3(fold
     ("mode", "status", "shown"),
     [("raises-late", 1, "KeyError: 'a late bug'"), ("exits-late", 5, "")],
 )
-def test_keep_training_exits_with_the_scripts_later_failure(
+def test_keep_training_exits_4_on_the_scripts_later_failure(
     folder: Path, mode: str, status: int, shown: str
 ) -> None:
-    """Right windows, then the script fails: not 0, but the script's own status."""
+    """Right windows, then the script fails: not 0, and not the script's own status (a 1 would
+    read as WRONG, a 3 as nothing checked) but 4; its own status is in the note."""
     result = _probe(
         folder, "--objective", "obj.py:loss", "--windows", "1", "--keep-training",
         "--", "python", "train.py", mode,
     )  # fmt: skip
-    assert result.returncode == status, result.stdout + result.stderr
-    assert result.stdout.startswith("fullbatch probe: RIGHT (window 1 checked")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert result.stdout.startswith("fullbatch probe: FAILED after right windows (window 1 checked")
     assert shown in result.stderr and "script finished" not in result.stdout
-    assert f"the script failed (exit status {status})" in result.stdout
+    assert f"the script failed (exit status {status}); fullbatch probe exits 4" in result.stdout
 
 
 def test_the_same_failure_without_keep_training_is_never_reached(folder: Path) -> None:
@@ -185,5 +186,6 @@ def test_help_names_the_windows_and_every_exit_status() -> None:
     ).stdout  # fmt: skip
     assert "--windows N|all" in text and "the first 2" in text and "all: every window" in text
     for line in ("0  every probed window is right", "1  a probed window is wrong", "2  usage",
-                 "3  nothing checked", "exits with its own status", "rank 0"):  # fmt: skip
+                 "3  nothing checked", "4  the script failed", "never the script's own",
+                 "rank 0"):  # fmt: skip
         assert line in text, line

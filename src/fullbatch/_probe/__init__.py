@@ -40,7 +40,8 @@ publishes its clip), never from class names or another module's local variables.
 One job per module:
 
 - ``_run``: :func:`probe` and its context manager (hooks in, windows checked, hooks out);
-- ``_hooks``: the probe's optimizer hooks, all removed right after the last probed step;
+- ``_hooks``: the probe's optimizer hooks, all removed right after the last probed step, and
+  forward hooks that never split a compiled graph;
 - ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state),
   and which forwards reached a backward;
 - ``_frames``: the engine's micro-batch and labels around a forward, in the loop's frames;
@@ -66,8 +67,10 @@ One job per module:
   built-in one (TRL's DPO, KTO, ORPO, GRPO, ...);
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
-  measured windows, each judged;
-- ``_cli``: the ``fullbatch probe`` command.
+  measured windows, each judged; ``_export``: the report as versioned data (``--json``) and its
+  schema; ``_plot``: the report as a picture (``--plot``);
+- ``_cli``: the ``fullbatch probe`` command; ``_command``: the Python script or module its
+  training command runs (anything else refused).
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without
 torch; checking code that does not use ``fb.Accumulator`` never imports the engine.

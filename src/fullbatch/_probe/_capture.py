@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
 from fullbatch._probe._frames import find_labels, find_micro
+from fullbatch._probe._hooks import eager_hook
 from fullbatch._wings._deepspeed import is_deepspeed_engine
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
@@ -247,6 +248,7 @@ class Capture:
     model: nn.Module | None
     on_first: Callable[[nn.Module, tuple[nn.Module, ...]], None]
     on_call: Callable[[Call, Any], None] | None = None
+    on_error: Callable[[Exception], None] | None = None  # what a hook raised (None: raise it)
     calls: list[Call] = field(default_factory=list)
     outer: dict[int, nn.Module] = field(default_factory=dict)
     paused: bool = False
@@ -256,9 +258,11 @@ class Capture:
     _wrapper: nn.Module | None = None  # an explicit model's DDP wrapper
 
     def start(self) -> None:
-        # Run eagerly even inside a compiled call (``model.compile()`` compiles the module's
-        # whole call, hooks included): the hooks read frames and RNG state and keep tensors.
-        pre, post_hook = torch.compiler.disable(self._pre), torch.compiler.disable(self._post)
+        # Eager (they read frames and RNG state and keep tensors); a global hook never splits
+        # a compiled graph (``eager_hook``: a split graph rounds apart from the unprobed one).
+        inside = self.model is not None  # a hook on the given module must see its calls
+        pre = eager_hook(self._pre, compiled=inside, on_error=self.on_error)
+        post_hook = eager_hook(self._post, compiled=inside, on_error=self.on_error)
         if self.model is None:
             try:
                 post = module_hooks.register_module_forward_hook(

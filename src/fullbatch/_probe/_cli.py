@@ -1,14 +1,15 @@
 """``fullbatch probe``: run a training script unchanged under :func:`fullbatch.probe`.
 
-``fullbatch probe [--objective X] [--windows N|all] [--keep-training] -- python train.py
-ARGS...`` runs ``train.py`` in this interpreter (as ``python train.py ARGS...`` would:
-``__name__`` is ``"__main__"``, ``sys.argv`` is ``["train.py", *ARGS]``, the script's folder
-first on ``sys.path``; ``python -m package.module`` works too), checks the first two windows
-(``--windows``), stops it once they are checked (unless ``--keep-training``) and prints the
-report. Exit status (:func:`exit_status`): 0 every probed window right, 1 one is wrong, 2 a
-usage error (one line on stderr naming the problem and the fix, no traceback), 3 nothing
-checked; a script that fails after right windows exits with its own status. Under
-``torchrun`` every rank runs the probe and reaches the same verdict; rank 0 alone prints it.
+``fullbatch probe [--objective X] [--windows N|all] [--keep-training] [--json PATH] [--plot
+PATH] -- python train.py ARGS...`` runs ``train.py`` in this interpreter (as ``python train.py
+ARGS...`` would: ``__name__`` is ``"__main__"``, ``sys.argv`` is ``["train.py", *ARGS]``, the
+script's folder first on ``sys.path``; ``python -m package.module`` works too; anything but a
+Python command is refused: :mod:`fullbatch._probe._command`), checks the first two windows
+(``--windows``), stops it once they are checked (unless ``--keep-training``, which also keeps
+it running whatever the probe fails on) and prints the report. Exit status
+(:func:`exit_status`, :data:`STATUSES`): 0 right, 1 wrong, 2 usage error, 3 nothing checked, 4
+the script failed after right windows. Under ``torchrun`` every rank runs the probe and
+reaches the same verdict; rank 0 alone prints it (and writes ``--json``/``--plot``).
 
 Heavy imports (torch) happen inside :func:`run`, so ``fullbatch --help`` stays fast.
 """
@@ -18,14 +19,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from typing import Any
 
 from fullbatch._verify._cli import positive_int
 
-__all__ = ["RIGHT", "UNCHECKED", "USAGE", "WRONG", "add_arguments", "exit_status", "run"]
+__all__ = [
+    "FAILED", "RIGHT", "STATUSES", "UNCHECKED", "USAGE", "WRONG", "add_arguments",
+    "exit_status", "run",
+]  # fmt: skip
 
-#: Exit statuses of ``fullbatch probe``.
-RIGHT, WRONG, USAGE, UNCHECKED = 0, 1, 2, 3
+#: Exit statuses of ``fullbatch probe``: none of them is ever the script's own.
+RIGHT, WRONG, USAGE, UNCHECKED, FAILED = 0, 1, 2, 3, 4
+
+#: What each exit status means (``--help`` and docs/probe.md say the same).
+STATUSES = {
+    RIGHT: "every probed window is right (and the script ran to its end or was stopped after them)",
+    WRONG: "a probed window is wrong (the report names the mistake and the fix), whatever the "
+    "script did afterwards",
+    USAGE: "usage error: a bad option, a missing script, not a Python command, an objective "
+    "that cannot be inferred (found at the model's first forward, before any step) or that "
+    "fails",
+    UNCHECKED: "nothing checked: no optimizer step, no micro-batch, an engine the probe cannot "
+    "read, or the script failed before a window was checked",
+    FAILED: "the script failed (an exception, or its own non-zero exit status) after right "
+    "windows: its traceback and status are shown, its status is in --json",
+}
 
 
 def windows_arg(text: str) -> int | str:
@@ -52,22 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ('all', None)
     """
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = (
-        "exit status:\n"
-        "  0  every probed window is right\n"
-        "  1  a probed window is wrong (the report names the mistake and the fix)\n"
-        "  2  usage error: a bad option, a missing script, an objective that cannot be "
-        "inferred\n"
-        "  3  nothing checked: no optimizer step, no micro-batch, or the script failed before\n"
-        "     a window ended\n"
-        "  a script that fails after right windows (--keep-training) exits with its own status\n"
-        "\n"
+    lines = ["exit status (never the script's own):"]
+    for code, meaning in STATUSES.items():
+        lines += [f"  {code}  {line}" if i == 0 else f"     {line}"
+                  for i, line in enumerate(textwrap.wrap(meaning, 84))]  # fmt: skip
+    parser.epilog = "\n".join(lines) + (
+        "\n\n"
         "Under torchrun every rank runs the probe and exits with the same status; rank 0\n"
-        "prints the report.\n"
+        "prints the report (torchrun itself exits 1 when any rank exits non-zero: read --json).\n"
         "\n"
         "examples:\n"
         "  fullbatch probe -- python train.py --lr 3e-4\n"
         "  fullbatch probe --objective causal_lm --windows all -- python -m mypackage.train\n"
+        "  fullbatch probe --keep-training --json probe.json -- python train.py\n"
         "  torchrun --nproc-per-node 2 -m fullbatch probe -- python train.py"
     )
     parser.add_argument(
@@ -91,8 +107,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-training",
         action="store_true",
-        help="let the script run to its end after the probed windows (default: stop it); a "
-        "script that then fails exits with its own status",
+        help="let the script run to its end after the probed windows (default: stop it), "
+        "whatever the probe fails on (the report says what it could not check)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the report as data to PATH (schema: docs/probe.md, 'The report as data')",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also draw the weights per micro-batch per window with their precision, and each "
+        "window's error against its tolerance, to PATH (a .png; needs matplotlib)",
     )
     parser.add_argument(
         "training_command",
@@ -127,70 +156,39 @@ def _fail(message: str) -> int:
     return USAGE
 
 
-def exit_status(report: Any, script_status: int | None) -> int:
-    """``fullbatch probe``'s exit status from its report and the script's own exit status
-    (None: it did not fail: it ended, or the probe stopped it).
+def exit_status(report: Any, script_status: int | None, *, probe_failed: bool = False) -> int:
+    """``fullbatch probe``'s exit status from its report, the script's own exit status (None:
+    it did not fail: it ended, or the probe stopped it) and whether the probe's own check
+    failed (the declared objective could not be inferred or computed).
 
-    A window judged wrong: 1. No window judged (no step, no micro-batch, an unsupported
-    engine, the script failed before a window ended), or one that had nothing to check: 3.
-    Every window right but the script failed: the script's status. Else 0.
+    First that holds: a window judged wrong, 1; the probe failed, 2; no window judged (no
+    step, no micro-batch, an unsupported engine, the script failed before a window ended), 3;
+    the script failed after right windows, 4 (never its own status: a script's 1 or 3 would
+    read as WRONG or nothing checked); a window left unchecked, 3; else 0.
 
     >>> from fullbatch._probe._report import ProbeReport, WindowCheck
     >>> def window(ok, pattern):
     ...     return WindowCheck(1, ok, 0.0, 0.0, 0.0, 1, 1.0, (1.0,), 0.0, "", pattern, "", "")
     >>> right, wrong = window(True, "right"), window(False, "dropped")
     >>> [exit_status(ProbeReport((right,)), None), exit_status(ProbeReport((wrong,)), 4),
-    ...  exit_status(ProbeReport(()), 1), exit_status(ProbeReport((right,)), 4)]
-    [0, 1, 3, 4]
+    ...  exit_status(ProbeReport(()), 1), exit_status(ProbeReport((right,)), 3),
+    ...  exit_status(ProbeReport((right,)), None, probe_failed=True)]
+    [0, 1, 3, 4, 2]
     """
     from fullbatch._probe._report import UNCHECKED as unchecked
 
     judged = [w for w in report.windows if w.pattern not in unchecked]
     if any(not w.ok for w in judged):
         return WRONG
-    if not judged or not report.ok:
+    if probe_failed:
+        return USAGE
+    if not judged:
         return UNCHECKED
     if script_status not in (None, 0):
-        return int(script_status)
+        return FAILED
+    if not report.ok:
+        return UNCHECKED
     return RIGHT
-
-
-def _target(command: list[str]) -> tuple[str, str, list[str]]:
-    """``("path", script, args)`` or ``("module", name, args)`` from ``python ...``."""
-    words = command[1:] if command[:1] == ["--"] else command
-    if words and os.path.basename(words[0]).startswith("python"):
-        words = words[1:]
-    if not words:
-        raise UsageError(
-            "no training command; give it after --, e.g. fullbatch probe -- python train.py"
-        )
-    if words[0] == "-m":
-        if len(words) < 2:
-            raise UsageError("python -m needs a module name, e.g. -- python -m mypackage.train")
-        if not _module_exists(words[1]):
-            raise UsageError(f"no such module: {words[1]}; check the name (-- python -m NAME)")
-        return "module", words[1], words[2:]
-    if words[0].startswith("-"):
-        raise UsageError(
-            f"python option {words[0]} is not supported; run the script itself: "
-            "-- python train.py ARGS"
-        )
-    if not os.path.isfile(words[0]):
-        raise UsageError(f"no such script: {words[0]}; check the path (-- python train.py)")
-    return "path", words[0], words[1:]
-
-
-def _module_exists(name: str) -> bool:
-    """Whether ``python -m name`` would find ``name`` (the current folder first, as it does)."""
-    import importlib.util
-
-    sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a parent package that does not exist
-        return False
-    finally:
-        sys.path.remove(os.getcwd())
 
 
 def _objective(spec: str | None) -> Any:
@@ -249,37 +247,107 @@ def _execute(kind: str, name: str, args: list[str]) -> int | None:
     return None
 
 
+def _writers(args: argparse.Namespace) -> list[Any]:
+    """What ``--json`` and ``--plot`` write after the run, each ``write(report, code, status)``;
+    a usage error now (a folder that does not exist, no matplotlib), before anything runs."""
+    writers = []
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{option} {path}: no such folder {folder}; create it first")
+    if args.json is not None:
+        path = os.path.abspath(args.json)
+
+        def write_json(report: Any, code: int, status: int | None) -> None:
+            import json
+
+            data = {**report.to_dict(), "exit_status": code, "script_status": status}
+            with open(path, "w") as file:
+                json.dump(data, file, indent=1, allow_nan=False)
+                file.write("\n")
+
+        writers.append(write_json)
+    if args.plot is not None:
+        from fullbatch._probe._plot import check_matplotlib
+
+        why = check_matplotlib()
+        if why is not None:
+            raise UsageError(why)
+        plot_path = os.path.abspath(args.plot)
+
+        def write_plot(report: Any, code: int, status: int | None) -> None:
+            from fullbatch._probe._plot import plot_report
+
+            plot_report(report, plot_path)
+
+        writers.append(write_plot)
+    return writers
+
+
+def _usage_text(error: BaseException) -> str:
+    """The probe's own failure in the command line's words."""
+    from fullbatch._probe._run import ObjectiveUnknown
+
+    text = str(error).strip()
+    if isinstance(error, ObjectiveUnknown):
+        why = text.split(": ", 1)[-1].split("; pass", 1)[0]
+        return (
+            f"no --objective given, and {why}; pass --objective causal_lm, token, sample or "
+            f"FILE.py:FN (stopped at the model's first forward, before any step)"
+        )
+    hint = " (here: --objective causal_lm, token, sample or FILE.py:FN)"
+    return text.rstrip(".") + (hint if "objective=" in text else "")
+
+
+def _script_failure(status: int | None, error: BaseException | None) -> str:
+    if error is not None:
+        return (
+            f"the script raised {type(error).__name__}: {error} (exit status 1 without the probe)"
+        )
+    return f"the script exited with status {status}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the command under the probe; print the report (rank 0); the :func:`exit_status`."""
+    from fullbatch._probe._command import CommandError, target
+
     try:
-        kind, name, script_args = _target(list(args.training_command))
+        kind, name, script_args = target(list(args.training_command))
         objective = _objective(args.objective)
-    except UsageError as error:
+        writers = _writers(args)
+    except (CommandError, UsageError) as error:
         return _fail(str(error))
     from fullbatch._probe._run import Probe, ProbeFinished
 
     probe = Probe(
         None, None, objective=objective, windows=args.windows, ranks=None,
-        stop=not args.keep_training,
+        stop=not args.keep_training, keep_going=args.keep_training,
     )  # fmt: skip
-    status = None
+    status, raised = None, None
     with probe:
         try:
             status = _execute(kind, name, script_args)
         except ProbeFinished:
             status = None
         except Exception as error:
-            if error is probe.failed:  # the probe's own check could not run: a usage error
-                hint = " (here: --objective causal_lm, token, sample or FILE.py:FN)"
-                return _fail(str(error).rstrip(".") + (hint if "objective=" in str(error) else ""))
-            import traceback
+            if error is not probe.failed:  # else the probe's own check failed: said below
+                import traceback
 
-            traceback.print_exc()  # the script's own error, as python would show it
-            status = 1
+                traceback.print_exc()  # the script's own error, as python would show it
+                status, raised = 1, error
+        if status not in (None, 0):
+            probe.note_failure(_script_failure(status, raised))
     report = probe.report
-    code = exit_status(report, status)
+    failed = probe.failed is not None and not isinstance(probe.failed, ProbeFinished)
+    code = exit_status(report, status, probe_failed=failed)
     if _rank() == 0:
+        if failed and probe.failed is not None:
+            print(f"fullbatch probe: error: {_usage_text(probe.failed)}", file=sys.stderr)
         print(report)
         if status not in (None, 0):
             print(f"note: the script failed (exit status {status}); fullbatch probe exits {code}")
+        for write in writers:
+            write(report, code, status)
     return code

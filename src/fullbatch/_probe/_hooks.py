@@ -12,6 +12,11 @@ Outside ``step()`` (the block ends, a window closes at a forward) everything goe
 :func:`after_closure` is where a step pre-hook checks when ``step`` got a closure (Lightning
 runs the window's last micro-batch, its clipping and its callbacks inside ``step(closure)``):
 right after the closure returns, before the parameters move.
+
+:func:`eager_hook` is how a global forward hook stays out of compiled graphs: a hook traced
+inside a compiled call breaks the graph there, and inductor then compiles (and rounds) each
+piece apart, so a probed run would differ from an unprobed one (docs/probe.md, "Compiled
+models").
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Hooks", "after_closure"]
+__all__ = ["Hooks", "after_closure", "eager_hook"]
 
 _AFTER_STEP = "_optimizer_step_code"
 
@@ -66,7 +72,8 @@ class Hooks:
         def at_forward(module: Any, args: Any) -> None:
             self.remove_all()
 
-        self._handles.append(module_hooks.register_module_forward_pre_hook(at_forward))
+        hook = eager_hook(at_forward)
+        self._handles.append(module_hooks.register_module_forward_pre_hook(hook))
         setattr(optimizer, _AFTER_STEP, after_step)
         self._waiting = optimizer
 
@@ -99,3 +106,49 @@ def after_closure(args: Any, kwargs: Any, check: Callable[[], None]) -> Any:
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure_then_check}
     return (closure_then_check, *args[1:]), kwargs
+
+
+def eager_hook(
+    hook: Callable[..., Any],
+    *,
+    compiled: bool = False,
+    on_error: Callable[[Exception], None] | None = None,
+) -> Callable[..., Any]:
+    """``hook`` as a forward (pre-)hook that runs eagerly and never splits a graph it need not.
+
+    Inside a call that dynamo traces, a module whose own call is not compiled as a whole (every
+    module inside ``torch.compile(model)``, the modules inside a ``model.compile()``d one) gets
+    a no-op that dynamo traces away: its graph is the unprobed one, bitwise. A module whose own
+    call is compiled (``model.compile()``: its hooks are inside its graph), or any module with
+    ``compiled=True`` (a hook on the one module the probe was given), runs ``hook`` behind
+    :func:`torch.compiler.disable`: a graph break at that call's edges only. Eager calls run
+    ``hook`` itself. ``on_error(error)``, when given, gets what ``hook`` raises (and may raise
+    it again); its return stands for the hook's.
+
+    >>> calls = []
+    >>> hook = eager_hook(lambda module, args: calls.append(type(module).__name__))
+    >>> hook(torch.nn.Linear(1, 1), ()), calls
+    (None, ['Linear'])
+    """
+
+    def safe(*args: Any) -> Any:
+        try:
+            return hook(*args)
+        except Exception as error:
+            if on_error is None:
+                raise
+            on_error(error)
+            return None
+
+    disabled = torch.compiler.disable(safe)
+
+    def eager(module: Any, *args: Any) -> Any:
+        if (
+            not compiled
+            and torch.compiler.is_compiling()
+            and getattr(module, "_compiled_call_impl", None) is None
+        ):
+            return None  # inside a compiled call: the probe records the compiled module's call
+        return disabled(module, *args)
+
+    return eager

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["UNCHECKED", "ProbeReport", "WindowCheck", "which"]
+__all__ = ["UNCHECKED", "OptimizerCheck", "ProbeReport", "WindowCheck", "which"]
 
 
 def _weight(w: float) -> str:
@@ -17,6 +18,25 @@ def _fmt(value: float) -> str:
     if math.isnan(value):
         return "nan"
     return "0" if value == 0 else f"{value:.1e}"
+
+
+@dataclass(frozen=True)
+class OptimizerCheck:
+    """One optimizer's parameters judged on their own, when several stepped at a window's end.
+
+    ``label`` names it (``"optimizer 2 (AdamW: head.weight, head.bias)"``); ``ok`` and
+    ``pattern`` its verdict; ``error``, ``tolerance``, ``factor``, ``weights`` and ``precision``
+    as in :class:`WindowCheck`, over its parameters alone.
+    """
+
+    label: str
+    ok: bool
+    pattern: str
+    error: float
+    tolerance: float
+    factor: float
+    weights: tuple[float, ...] = ()
+    precision: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,7 @@ class WindowCheck:
             where it comes from; empty where no trainer setting says.
         objective_source: where the objective came from (``"declared"``, ``"inferred from
             GPT2LMHeadModel"``, ``"fullbatch.hf.ExactTrainer(loss='token')"``).
+        per_optimizer: the same as ``optimizers``, as data (:class:`OptimizerCheck`).
     """
 
     step: int
@@ -104,6 +125,7 @@ class WindowCheck:
     clip_source: str = ""
     clip_asked: str = ""
     objective_source: str = ""
+    per_optimizer: tuple[OptimizerCheck, ...] = ()
 
     def __str__(self) -> str:
         rank_text = f" on {len(self.ranks)} ranks" if len(self.ranks) > 1 else ""
@@ -173,17 +195,27 @@ class ProbeReport:
     ``ok`` is True only when at least one window was checked, every checked window is right
     and nothing was left unchecked (``problems`` is empty): the probe never passes on nothing.
     ``requested`` is how many windows were asked for (None: every window); the text says which
-    windows were checked, and when the run ended before the number asked for.
+    windows were checked, and when the run ended before the number asked for. ``failure``:
+    what ended the run with an error, when it did (the script's exception or exit status);
+    the text then heads with ``FAILED``, whatever the windows checked before it were.
     """
 
     windows: tuple[WindowCheck, ...] = ()
     problems: tuple[str, ...] = field(default_factory=tuple)
     engine: str = ""
     requested: int | None = 2
+    failure: str = ""
 
     @property
     def ok(self) -> bool:
         return bool(self.windows) and all(w.ok for w in self.windows) and not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data, versioned (``schema_version``): every field, each
+        window's included (docs/probe.md, "The report as data")."""
+        from fullbatch._probe._export import report_dict
+
+        return report_dict(self)
 
     @property
     def checked(self) -> bool:
@@ -194,7 +226,9 @@ class ProbeReport:
         steps = [w.step for w in self.windows]
         wrong = [w.step for w in self.windows if not w.ok]
         engine = f", {self.engine}" if self.engine else ""
-        if self.ok:
+        if self.failure and self.ok:
+            verdict = f"FAILED after right windows ({which(steps)} checked{engine})"
+        elif self.ok:
             verdict = f"RIGHT ({which(steps)} checked{engine})"
         elif len(steps) == 1:
             verdict = f"WRONG ({which(steps)} checked{engine})"
@@ -205,6 +239,8 @@ class ProbeReport:
         lines = [f"fullbatch probe: {verdict}"]
         lines += [str(w) for w in self.windows]
         lines += [f"problem: {p}" for p in self.problems]
+        if self.failure:
+            lines.append(f"failed: {self.failure}")
         if self.requested is not None and 0 < len(steps) < self.requested and not self.problems:
             lines.append(
                 f"note: only {which(steps)} checked: the run ended before window {steps[-1] + 1} "

@@ -10,6 +10,7 @@ hook goes: at the end of the ``step()`` that closed it (:mod:`fullbatch._probe._
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,9 +31,11 @@ from fullbatch._probe._sample import Sampler
 from fullbatch._probe._trainer_objective import trainer_objective
 from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
-from fullbatch._proof._objective import check_objective
+from fullbatch._proof._objective import check_objective, infer_objective
 
-__all__ = ["DEFAULT_WINDOWS", "Probe", "ProbeFinished", "probe", "window_limit"]
+__all__ = [
+    "DEFAULT_WINDOWS", "ObjectiveUnknown", "Probe", "ProbeFinished", "probe", "window_limit",
+]  # fmt: skip
 
 #: Windows checked by default: a gradient left over by a missing zero_grad() shows in the 2nd.
 DEFAULT_WINDOWS = 2
@@ -42,6 +45,15 @@ class ProbeFinished(BaseException):
     """Raised out of ``step()`` after the probed windows when the probe was asked to stop the
     run (``fullbatch probe`` without ``--keep-training``); a BaseException so that a script's
     ``except Exception`` does not swallow it."""
+
+
+class ObjectiveUnknown(ValueError):
+    """``objective=None`` on a model whose objective cannot be inferred: raised at its first
+    forward, before any backward or step (``module``: its class name)."""
+
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 def window_limit(windows: Any) -> int | None:
@@ -91,6 +103,7 @@ class Probe:
         windows: Any,
         ranks: Any,
         stop: bool = False,
+        keep_going: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module or None, got {type(model).__name__}.")
@@ -101,8 +114,11 @@ class Probe:
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
         self.objective_source = "declared" if objective is not None else ""
+        self.keep_going = keep_going  # a failure of the probe's own never stops the run
         self._early = EarlyReference(objective, self.sampler_for)
-        self._capture = Capture(model, self._first_call, on_call=self._early)
+        self._capture = Capture(
+            model, self._first_call, on_call=self._early, on_error=self._hook_failed
+        )
         self._clips = ClipObserver()
         self._hooks = Hooks()
         self._samplers: dict[int, Sampler] = {}
@@ -114,14 +130,17 @@ class Probe:
         self._last: AppliedGradient | None = None  # the last window's reader
         self._windows = 0
         self._done = False
+        self._inferred: set[int] = set()  # modules whose objective was inferred
         self.failed: BaseException | None = None  # what the probe's own check raised
+        self.failure = ""  # what ended the run with an error (the block's exception)
 
     # -- the report --------------------------------------------------------------------------
 
     @property
     def report(self) -> ProbeReport:
         """Every window checked so far, and what kept the probe from checking."""
-        return report_of(self._measured, self._problems, self.limit)
+        report = report_of(self._measured, self._problems, self.limit)
+        return replace(report, failure=self.failure) if self.failure else report
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -134,7 +153,10 @@ class Probe:
             self._hooks.add(self.optimizer.register_step_pre_hook(self._on_step))
         return self
 
-    def __exit__(self, kind: Any, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: Any, *exc: Any) -> None:
+        if kind is not None and kind is not ProbeFinished and error is not self.failed:
+            if not (kind is SystemExit and error.code in (None, 0)):
+                self.note_failure(f"the run raised {kind.__name__}: {error}")
         try:
             if self._open is not None and not self._done:
                 # a window still open closes with the block; after an error, only where no
@@ -160,6 +182,34 @@ class Probe:
         else:
             self._hooks.remove_after_step(optimizer)
 
+    def note_failure(self, text: str) -> None:
+        """Say in the report what ended the run with an error (``fullbatch probe``: the
+        script's exception or exit status)."""
+        self.failure = self.failure or text
+
+    def _gave_up(
+        self, error: Exception, optimizer: torch.optim.Optimizer | None, window: int = 0
+    ) -> None:
+        """The probe's own check failed: say so in the report and stop probing; with
+        ``keep_going`` the run goes on, else ``error`` is raised (out of the hook or step)."""
+        self.failed = error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self._problems.append(
+            f"not checked from window {window or self._windows or 1} on: the probe failed "
+            f"({type(error).__name__}: {first}); "
+            + ("the run went on without it" if self.keep_going else "the run was stopped")
+        )
+        self._open = None
+        self._finish(optimizer)
+        if not self.keep_going:
+            raise error
+
+    def _hook_failed(self, error: Exception) -> None:
+        """What a forward hook of the probe raised."""
+        if error is self.failed:
+            raise error
+        self._gave_up(error, None, self._windows + 1)
+
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
         if sampler is None:
@@ -168,10 +218,14 @@ class Probe:
         return sampler
 
     def _first_call(self, module: nn.Module, wrappers: tuple[nn.Module, ...]) -> None:
-        """The window's first forward of ``module``: keep what gradient it already holds. The
-        run's first: an undeclared objective asked of the trainer that runs, or refused."""
+        """The window's first forward of ``module``: its objective known (asked of the trainer
+        that runs, else inferred from the model, else fail now, before anything trained), and
+        what gradient it already holds kept."""
         if self.objective is None and not self.objective_source:
             self._paused(self._trainer_objective, None)
+        self._infer(module)
+        if self._done:
+            return
         sampler = self.sampler_for(module)
         reader = applied_gradient(Seen(tuple(sampler.params), (module,), wrappers))
         if reader.unsupported() is not None:
@@ -191,13 +245,35 @@ class Probe:
         self._early = EarlyReference(self.objective, self.sampler_for)
         self._capture.on_call = self._early
 
+    def _infer(self, module: nn.Module) -> None:
+        """With ``objective=None``, a trainable module whose objective cannot be inferred
+        fails at its first forward (:class:`ObjectiveUnknown`), not after its window."""
+        if self.objective is not None or id(module) in self._inferred:
+            return
+        self._inferred.add(id(module))
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # a frozen module (a teacher, a reference model) trains nothing
+        try:
+            infer_objective(module)
+        except ValueError as error:
+            unknown = ObjectiveUnknown(str(error), type(module).__name__)
+            self._gave_up(unknown, None, self._windows + 1)
+
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
         last micro-batch, its clipping and its callbacks inside ``step(closure)``), right after
         the closure returns, before the parameters move."""
         if self._done:
             return None
-        return after_closure(args, kwargs, lambda: self._step(optimizer))
+        return after_closure(args, kwargs, lambda: self._step_or_give_up(optimizer))
+
+    def _step_or_give_up(self, optimizer: torch.optim.Optimizer) -> None:
+        try:
+            self._step(optimizer)
+        except Exception as error:
+            if error is self.failed or not self.keep_going:
+                raise
+            self._gave_up(error, optimizer)
 
     # -- windows -----------------------------------------------------------------------------
 
@@ -220,10 +296,14 @@ class Probe:
         self._guarded(lambda: self._begin(optimizer), optimizer)
 
     def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-        """``run()`` with recording paused; an error stops the probe."""
+        """``run()`` with recording paused; an error stops the probe (and, unless
+        ``keep_going``, is raised: None is returned)."""
         self._capture.paused = True
         try:
             return run()
+        except Exception as error:
+            self._gave_up(error, optimizer)
+            return None
         except BaseException as error:
             self.failed = error
             self._finish(optimizer)
@@ -300,7 +380,10 @@ class Probe:
         asked to)."""
         assert self._open is not None
         open_window, self._open = self._open, None
-        self._measured.append(self._paused(lambda: close(open_window), optimizer))
+        measured = self._paused(lambda: close(open_window), optimizer)
+        if measured is None:
+            return  # the probe failed and keeps going: it finished
+        self._measured.append(measured)
         if self.limit is not None and len(self._measured) >= self.limit:
             self._finish(optimizer)
             if self.stop and stopping:
@@ -347,8 +430,9 @@ def probe(
 
     Raises:
         ValueError: bad arguments (``windows`` anything but a positive int, None or "all");
-            at the first step, an objective that cannot be inferred or computed (e.g. no
-            labels), naming the choices.
+            at the model's first forward (before any backward), an objective that cannot be
+            inferred (:class:`ObjectiveUnknown`); at the first step, one that cannot be
+            computed (e.g. no labels), naming the choices.
 
     >>> import torch, fullbatch as fb
     >>> model = torch.nn.Linear(3, 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fullbatch._probe._judge import judge
 from fullbatch._probe._measured import Measured
-from fullbatch._probe._report import ProbeReport, WindowCheck
+from fullbatch._probe._report import OptimizerCheck, ProbeReport, WindowCheck
 
 __all__ = ["report_of"]
 
@@ -39,6 +39,7 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
             optimizers=verdict.parts, no_backward=m.no_backward, patterns=verdict.patterns,
             counts=m.counts, clip_source=m.clip_source, clip_asked=_asked(m),
             objective_source=m.objective_source,
+            per_optimizer=_per_optimizer(m, verdict.parts),
         )  # fmt: skip
         checks.append(check)
     said = list(problems)
@@ -49,3 +50,22 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
         )
     engines = ", ".join(sorted({m.engine.name for m in measured}))
     return ProbeReport(tuple(checks), tuple(said), engines, limit)
+
+
+def _per_optimizer(m: Measured, lines: tuple[str, ...]) -> tuple[OptimizerCheck, ...]:
+    """Each optimizer's part as data, its verdict read from the judge's line for it
+    (``"<label>: right (...)"`` or ``"<label>: WRONG, <pattern> (...)"``)."""
+    if len(lines) != len(m.parts):
+        return ()
+    out = []
+    for part, line in zip(m.parts, lines, strict=True):
+        said = line.removeprefix(f"{part.label}: ").split(" (error")[0]
+        ok = said == "right"
+        out.append(
+            OptimizerCheck(
+                label=part.label, ok=ok, pattern="right" if ok else said.removeprefix("WRONG, "),
+                error=part.error, tolerance=part.tolerance, factor=part.fit.factor,
+                weights=part.fit.weights, precision=part.fit.stderr,
+            )
+        )  # fmt: skip
+    return tuple(out)
