@@ -6,9 +6,9 @@ Meshes: TP alone on a 1-D "tp" mesh (2 ranks, both run the same micro-batches); 
 its first Linear column-wise and its second row-wise parallel (``parallelize_module``), its
 last one plain (replicated on the tensor-parallel ranks, FSDP2-sharded over the data dims).
 
-Every case trains ``WINDOWS`` windows of ``K`` micro-batches twice from the same start, plain
-and under ``fb.probe(windows=2)`` (the run goes on), and returns both runs' full parameters
-after every step, the plain run's first applied gradient (gathered whole) and the report.
+Every case trains ``WINDOWS`` windows of ``K`` micro-batches under ``fb.probe(windows=2)``
+(the run goes on), a right loop also plain from the same start, and returns the full
+parameters after every step, the first applied gradient (gathered whole) and the report.
 
 Loops, written by hand (FSDP2's own division turned off, ``set_gradient_divide_factor(1)``,
 as torchtitan does): ``"right"`` each micro-batch's loss sum over the window's item count
@@ -116,11 +116,14 @@ class _Nothing:
 
 
 def _case(tp: Any, dp: Any, data_rank: int, dp_group: Any, how: str) -> dict[str, Any]:
+    """The probed run; for a right loop, the plain run first (the parent compares them
+    bitwise). The applied gradient is recorded at the first step (the probe touches no
+    ``.grad``)."""
     runs: dict[str, Any] = {"applied": []}
-    for probed in (False, True):
+    for probed in (False, True) if how.endswith("right") else (True,):
         model = _model(tp, dp)
         opt = make_optimizer(model.parameters())
-        if not probed:
+        if not runs["applied"]:
             opt.register_step_pre_hook(functools.partial(_record, runs["applied"], model))
         with fb.probe(objective=objective, windows=2) if probed else _Nothing() as probe:
             runs["probed" if probed else "plain"] = _loop(model, opt, data_rank, dp_group, how)

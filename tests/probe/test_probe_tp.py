@@ -2,11 +2,12 @@
 (2 gloo ranks), FSDP2 x TP (2 x 2) and HSDP x TP ((2, 1, 2)) on 4 ranks, one process group per
 world size (tests/_probe_tp_cases.py).
 
-Every case trains 3 windows plain and again under ``fb.probe(windows=2)``: on every rank the
-probed run's parameters after every step are bitwise the plain run's, every rank reports the
-same verdict, and each verdict is checked against a float64 full batch written here: the right
-loop's applied gradient equals it (and the probe says right), a wrong loop's is off by the
-error the probe reports, with the micro-batch weights this file derives from the item counts.
+Every case trains 3 windows under ``fb.probe(windows=2)`` (a right loop also plain: on every
+rank the probed run's parameters after every step are bitwise the plain run's), every rank
+reports the same verdict, and each verdict is checked against a float64 full batch written
+here: the right loop's applied gradient equals it (and the probe says right), a wrong loop's
+is off by the error the probe reports, with the micro-batch weights this file derives from
+the item counts.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ def _reports(results: list[dict[str, Any]], name: str) -> list[Any]:
     reports = []
     for rank, res in enumerate(results):
         case = res[name]
-        assert len(case["plain"]) == len(case["probed"]) == cases.WINDOWS
-        for step, (a, b) in enumerate(zip(case["plain"], case["probed"], strict=True)):
-            assert torch.equal(a, b), (name, rank, step)  # bitwise: the run is unchanged
+        assert len(case["probed"]) == cases.WINDOWS
+        if name.endswith("right"):
+            assert len(case["plain"]) == cases.WINDOWS
+            for step, (a, b) in enumerate(zip(case["plain"], case["probed"], strict=True)):
+                assert torch.equal(a, b), (name, rank, step)  # bitwise: the run is unchanged
         reports.append(case["report"])
     first = reports[0]
     for report in reports[1:]:
