@@ -115,6 +115,28 @@ class _Nothing:
         return None
 
 
+def _replicas(tp: Any, data_rank: int, dp_group: Any, ranks: Any) -> dict[str, Any]:
+    """TP over "tp" beside a data dim the loop averages itself (no FSDP2, no DDP): the right
+    loop's gradients summed over ``dp_group`` by hand, probed with ``ranks`` (None: the probe
+    cannot tell the data ranks and says so)."""
+    model = _model(tp, None)
+    opt = make_optimizer(model.parameters())
+    applied: list[Any] = []
+    opt.register_step_pre_hook(functools.partial(_record, applied, model))
+    with fb.probe(objective=objective, windows=1, ranks=ranks) as probe:
+        window = windows_of(data_rank)[0]
+        n = torch.tensor(float(sum(counted(m) for m in window)), dtype=torch.float64)
+        dist.all_reduce(n, group=dp_group)
+        for micro in window:
+            loss_sum, _ = objective(model, micro)
+            (loss_sum / n).backward()
+        for p in model.parameters():  # the data dim's sum, by hand, shard by shard
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(local, group=dp_group)
+        opt.step()
+    return {"applied": applied, "report": probe.report}
+
+
 def _case(tp: Any, dp: Any, data_rank: int, dp_group: Any, how: str) -> dict[str, Any]:
     """The probed run; for a right loop, the plain run first (the parent compares them
     bitwise). The applied gradient is recorded at the first step (the probe touches no
@@ -143,7 +165,8 @@ def tp_alone(rank: int, world: int) -> dict[str, Any]:
 
 def fsdp_tp(rank: int, world: int) -> dict[str, Any]:
     """FSDP2 over "dp" x TP over "tp" (2 x 2), then HSDP x TP over (2, 1, 2): every loop on
-    the first, the right one on the second."""
+    the first, the right one on the second; then TP beside a data dim the loop sums by hand,
+    probed without and with ``ranks=`` the data group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
@@ -154,6 +177,9 @@ def fsdp_tp(rank: int, world: int) -> dict[str, Any]:
     data = hsdp["rep", "shard"]
     group = data._flatten().get_group()
     out["hsdp right"] = _case(hsdp["tp"], data, hsdp.get_local_rank("rep"), group, "right")
+    dp_group = mesh.get_group("dp")
+    out["beside"] = _replicas(mesh["tp"], data_rank, dp_group, None)
+    out["ranks= right"] = _replicas(mesh["tp"], data_rank, dp_group, dp_group)
     return out
 
 

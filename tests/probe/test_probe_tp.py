@@ -121,3 +121,23 @@ def test_probe_judges_tensor_parallel_loops(
         else:
             assert first.pattern == PATTERNS[how], first.diagnosis
             assert first.error == pytest.approx(measured, rel=1e-9)
+
+
+def test_tp_beside_unnamed_data_ranks_is_refused_and_ranks_names_them(
+    fsdp_tp: list[dict[str, Any]],
+) -> None:
+    """TP on 2 of 4 ranks, the data dim summed by hand: without ``ranks=`` the probe cannot
+    tell which ranks hold other data and refuses by name; with the data group it judges the
+    window over those ranks, right against the float64 full batch."""
+    ref = cases.reference(2)[0]
+    for res in fsdp_tp:
+        refused = res["beside"]["report"]
+        assert not refused.ok and refused.windows == ()
+        assert any("ranks=" in p and "tensor-parallel" in p for p in refused.problems)
+        named = res["ranks= right"]
+        assert _rel(named["applied"][0], ref) < 1e-12
+        report = named["report"]
+        assert report.ok, str(report)
+        first = report.windows[0]
+        assert first.ranks == (cases.K, cases.K) and first.count == sum(_counts(2))
+        assert first.weights == pytest.approx([1.0] * 2 * cases.K, rel=1e-9)
