@@ -35,6 +35,10 @@ reference (float64, or the hand-written loop where rounding is the point):
          budgets with exact widths and ``pad_to_multiple_of=64``, then per sdpa backend; its
          table is printed after this one. Passes when every arm ran and the buckets met no
          more shapes than exact widths (``--cpu``: a tiny model, no timing claim)
+  torchtitan  torchtitan's own ``Trainer`` (0.3.0: llama3 debug model, flex attention, one
+         process, gradient accumulation 2 by ``global_batch_size``) runs one ``train_step``
+         under ``fb.probe(objective="token")``: passes when the probe judges its step right
+         (CUDA only; skipped without torchtitan. Written without a CUDA device: not yet run)
 
 Exit status: 0 every row passed or was skipped, 1 some row failed, 2 no CUDA device and no
 ``--cpu``.
@@ -585,6 +589,83 @@ def row_shapes(device: torch.device) -> Row:
     )
 
 
+def _torchtitan_assets(folder: str) -> tuple[str, str]:
+    """A word-level tokenizer (``tokenizers``, a torchtitan dependency) and a JSON-lines text
+    dataset in ``folder``: torchtitan's wheel ships neither its test tokenizer nor c4_test."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(1000)]
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|begin_of_text|>", "<|end_of_text|>", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_dir, data_dir = os.path.join(folder, "tokenizer"), os.path.join(folder, "data")
+    os.makedirs(tok_dir)
+    os.makedirs(data_dir)
+    tokenizer.save(os.path.join(tok_dir, "tokenizer.json"))
+    special = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(special, f)
+    g = torch.Generator().manual_seed(0)
+    with open(os.path.join(data_dir, "train.json"), "w") as f:
+        for _ in range(64):
+            n = int(torch.randint(8, 200, (1,), generator=g))
+            ids = torch.randint(len(words), (n,), generator=g).tolist()
+            f.write(json.dumps({"text": " ".join(words[i] for i in ids)}) + "\n")
+    return tok_dir, data_dir
+
+
+def row_torchtitan(device: torch.device) -> Row:
+    if device.type != "cuda":
+        return Row("torchtitan", "skip", "torchtitan's Trainer needs CUDA (flex attention)")
+    if importlib.util.find_spec("torchtitan") is None:
+        why = "pip install torchtitan==0.3.0; pip install --no-deps triton"
+        return Row("torchtitan", "skip", why)
+    import os
+
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir, data_dir = _torchtitan_assets(tmp)
+        cfg = llama3_debugmodel()
+        cfg.hf_assets_path = tok_dir
+        cfg.dataloader.dataset_path = data_dir
+        cfg.loss = CrossEntropyLoss.Config(global_vocab_size=2048)  # logits out, not chunked
+        cfg.training.local_batch_size, cfg.training.global_batch_size = 2, 4  # accumulation 2
+        cfg.training.seq_len, cfg.training.steps = 64, 1
+        cfg.activation_checkpoint = None
+        cfg.training.disable_cuda_graphs = True  # the probe records eager forwards
+        cfg.checkpoint.enable = False
+        cfg.dump_folder = tmp
+        if hasattr(cfg.validator, "enable"):
+            cfg.validator.enable = False
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+               "MASTER_PORT": str(29500 + os.getpid() % 1000)}  # fmt: skip
+        os.environ.update(env)
+        trainer = Trainer(cfg)
+        try:
+            batches = trainer.batch_generator(trainer.dataloader)
+            with fb.probe(objective="token", windows=1) as probe:
+                trainer.train_step(batches)
+        finally:
+            if hasattr(trainer, "close"):
+                trainer.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    report = probe.report
+    first = report.windows[0] if report.windows else None
+    detail = (
+        f"torchtitan Trainer.train_step, GA 2: probe {'right' if report.ok else 'WRONG'}"
+        + (f", error {first.error:.1e}, {first.micro_batches} micro-batches" if first else "")
+        + (f"; {report.problems[0]}" if report.problems else "")
+    )
+    return Row("torchtitan", "pass" if report.ok else "FAIL", detail)
+
+
 ROWS: dict[str, Callable[[torch.device], Row]] = {
     "nccl": row_nccl,
     "bf16": row_bf16,
@@ -595,6 +676,7 @@ ROWS: dict[str, Callable[[torch.device], Row]] = {
     "speed": row_speed,
     "graphs": row_graphs,
     "shapes": row_shapes,
+    "torchtitan": row_torchtitan,
 }
 
 

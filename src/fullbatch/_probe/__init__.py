@@ -18,6 +18,8 @@ home:
   offload: its partitions and offload buffers gathered whole, its engine found among
   ``Seen.wrappers``), ``_applied_fsdp`` (FSDP2/HSDP: ``DTensor`` gradients through
   ``full_tensor()``, the reference differentiated against FSDP2's unsharded parameters),
+  ``_applied_dtensor`` (tensor-parallel ``DTensor`` parameters, alone or under FSDP2/HSDP:
+  gathered the same way, the window's ranks the data dims only; claimed before FSDP2's),
   ``_applied_grad`` (``.grad``: plain modules and DDP; claims the rest). **A new engine is one
   new module with one class implementing the protocol, and one line in ``_applied.READERS``**
   ahead of the ``.grad`` reader. It says whether it claims a window, returns whole gradients
@@ -52,6 +54,7 @@ One job per module:
   forwards;
 - ``_applied``: the applied-gradient protocol and its readers' registry; ``_applied_grad``:
   the ``.grad`` reader; ``_applied_deepspeed``: DeepSpeed's; ``_applied_fsdp``: FSDP2's;
+  ``_applied_dtensor``: tensor parallelism's (alone, FSDP2 x TP, HSDP x TP);
 - ``_sample``: the gradient coordinates the weight fit looks at;
 - ``_window``: one window from its first optimizer's ``step()``: the reference, each
   optimizer's applied gradient against it; ``_measure``: the window closed over every rank;

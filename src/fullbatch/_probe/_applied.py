@@ -6,7 +6,8 @@ A reader implements :class:`AppliedGradient`; :func:`applied_gradient` asks each
 wrapper, the parameters' type) and builds the first that does; the plain ``.grad`` reader
 (:mod:`fullbatch._probe._applied_grad`) comes last and claims everything. A new engine is one
 module with one class, and one line in ``READERS`` ahead of the ``.grad`` reader, e.g. FSDP2
-(``DTensor`` gradients gathered with ``full_tensor()``) or DeepSpeed
+(``DTensor`` gradients gathered with ``full_tensor()``), tensor parallelism (the same, with the
+window's ranks the data dims only) or DeepSpeed
 (its ZeRO partitions and offload buffers, read through the engine found among
 ``Seen.wrappers``). A reader's module imports its engine's package inside its methods, never
 at import, and ``claims`` looks only at objects it is handed (``sys.modules`` for classes).
@@ -15,7 +16,9 @@ A reader subclasses :class:`Reader` for the answers most engines share and overr
 engine differs: which parameters stand for a flattened copy the engine steps
 (:meth:`~AppliedGradient.params`, :meth:`~AppliedGradient.stepped`), what the reference must
 differentiate where the forward runs on other tensors than the parameters
-(:meth:`~AppliedGradient.wrt`: FSDP2's unsharded parameters), engine state the reference's
+(:meth:`~AppliedGradient.wrt`: FSDP2's unsharded parameters) and how its gradients are made whole
+(:meth:`~AppliedGradient.whole`), which ranks make a window (:meth:`~AppliedGradient.ranks`: the
+data dims of a composed mesh), engine state the reference's
 replays move (:meth:`~AppliedGradient.replaying`), a clip the engine applies itself
 (:meth:`~AppliedGradient.clip`), and an engine step that steps the torch optimizer once per
 parameter group (:meth:`~AppliedGradient.continues`).
@@ -27,7 +30,7 @@ import contextlib
 import importlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +40,7 @@ __all__ = ["READERS", "AppliedGradient", "Reader", "Seen", "applied_gradient"]
 #: ``module:class`` of every reader, most specific first; the ``.grad`` reader claims all.
 READERS = (
     "fullbatch._probe._applied_deepspeed:DeepSpeedApplied",
+    "fullbatch._probe._applied_dtensor:DTensorApplied",
     "fullbatch._probe._applied_fsdp:FSDPApplied",
     "fullbatch._probe._applied_grad:GradApplied",
 )
@@ -53,12 +57,14 @@ class Seen:
         wrappers: the wrappers they ran under (a DDP module, a DeepSpeed engine, ...).
         extra: the trainable parameters of the module that ran that no optimizer steps
             (differentiated for the weight fit, not compared).
+        ranks: the probe's ``ranks`` argument (None: inferred).
     """
 
     params: tuple[nn.Parameter, ...]
     modules: tuple[nn.Module, ...] = ()
     wrappers: tuple[nn.Module, ...] = ()
     extra: tuple[nn.Parameter, ...] = ()
+    ranks: Any = None
 
 
 class AppliedGradient(Protocol):
@@ -85,6 +91,17 @@ class AppliedGradient(Protocol):
     def wrt(self) -> list[torch.Tensor]:
         """What the reference differentiates for each of :meth:`params`: the parameter itself,
         or the tensor the engine's forward uses in its place (FSDP2's unsharded parameter)."""
+        ...
+
+    def whole(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The reference's gradients of :meth:`wrt` as whole plain tensors (a tensor-parallel
+        ``DTensor`` gradient gathered), in the same order; the rest as they are."""
+        ...
+
+    def ranks(self) -> Any:
+        """The ranks whose micro-batches make one window (the data dims): a process group,
+        ``"local"`` (this rank alone), or None: the default (the DDP wrapper's group, else the
+        default group)."""
         ...
 
     def applied(self) -> list[torch.Tensor | None]:
@@ -155,6 +172,12 @@ class Reader:
 
     def wrt(self) -> list[torch.Tensor]:
         return list(self.params())
+
+    def whole(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return grads
+
+    def ranks(self) -> Any:
+        return self.seen.ranks
 
     def leftover(self) -> list[torch.Tensor | None]:
         return [None] * len(self.params())

@@ -12,7 +12,8 @@ parameters are not in its graph), which returns this rank's whole gradient and w
 sharded ``.grad`` the optimizer is about to apply stays as it was, and no parameter, optimizer
 state or RNG stream changes (``tests/probe/test_probe_fsdp.py`` checks the parameters after
 several steps bitwise against an unprobed run). The replays cost all-gathers, the same on every
-rank: FSDP2 already requires every rank to run as many forwards as the others.
+rank: FSDP2 already requires every rank to run as many forwards as the others. FSDP2 over
+tensor-parallel parameters is :mod:`fullbatch._probe._applied_dtensor`'s (claimed before this).
 """
 
 from __future__ import annotations
@@ -60,11 +61,3 @@ class FSDPApplied(Reader):
 
     def leftover(self) -> list[torch.Tensor | None]:
         return [_whole(p.grad) for p in self.params()]
-
-    def unsupported(self) -> str | None:
-        if any(hasattr(v, "_local_tensor") for v in self._views().values()):
-            return (
-                "FSDP2 combined with tensor parallelism (its unsharded parameters are DTensors "
-                "themselves)"
-            )
-        return None

@@ -3,8 +3,9 @@
 DDP has averaged it over the ranks by then (or, under ``no_sync`` misuse, not: the window's
 check compares ranks); a hand loop that all-reduces gradients itself has done so. Engines
 that keep gradients elsewhere and have no reader of their own (:mod:`fullbatch._probe._applied`
-lists those that do: DeepSpeed, FSDP2) are refused with their reason: FSDP1's flat
-parameters, tensor-parallel ``DTensor`` parameters, ColossalAI's ZeRO/Gemini buffers.
+lists those that do: DeepSpeed, FSDP2, tensor-parallel ``DTensor`` parameters) are refused
+with their reason: FSDP1's flat parameters, ColossalAI's ZeRO/Gemini buffers (and a
+``DTensor`` no other reader claimed).
 """
 
 from __future__ import annotations

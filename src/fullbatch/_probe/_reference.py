@@ -21,6 +21,7 @@ from.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +113,14 @@ def recompute(
     objective: ObjectiveFn,
     *,
     wrt: list[torch.Tensor] | None = None,
+    whole: Callable[[Grads], Grads] | None = None,
 ) -> LocalReference:
     """Replay ``calls`` (see the module docstring); the model, its buffers, ``.grad`` and the
     RNG streams are as they were on return. ``wrt``: for each of ``params``, the tensor to
     differentiate in its place where the engine's forward computes with another (FSDP2's
-    unsharded parameters; :meth:`fullbatch._probe._applied.AppliedGradient.wrt`).
+    unsharded parameters; :meth:`fullbatch._probe._applied.AppliedGradient.wrt`); ``whole``:
+    what makes each replay's gradients whole tensors (a tensor-parallel ``DTensor`` gathered;
+    :meth:`~fullbatch._probe._applied.AppliedGradient.whole`).
 
     The band's micro-batch (the one with most rows) runs first, before the reference buffer
     exists, so that at most two gradients are alive at any time: the reference and the one
@@ -137,16 +141,19 @@ def recompute(
     order = [widest, *(i for i in range(len(calls)) if i != widest)]
     banded = False
     targets: list[Any] = list(params) if wrt is None else wrt
+    made_whole = whole if whole is not None else (lambda grads: grads)
     try:
         with torch.enable_grad():
             for index in order:
                 call = calls[index]
                 grads, count = replay(call, objective, targets, 1.0)
+                grads = made_whole(grads)
                 samples[index] = sampler.take([grads[j] for j in pick])
                 counts[index] = count
                 if not banded and count > 0:
                     divisor = 3.0 * count * len(calls)  # like 1 / N: no power of two
                     again, out.band_rows_reversed = _band(call, objective, targets, divisor)
+                    again = made_whole(again)
                     picked = sampler.take([again[j] for j in pick])
                     out.note_band(grads, again, samples[index], picked, divisor, count)
                     del again

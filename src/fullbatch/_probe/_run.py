@@ -227,7 +227,9 @@ class Probe:
         if self._done:
             return
         sampler = self.sampler_for(module)
-        reader = applied_gradient(Seen(tuple(sampler.params), (module,), wrappers))
+        reader = applied_gradient(
+            Seen(tuple(sampler.params), (module,), wrappers, ranks=self.ranks)
+        )
         if reader.unsupported() is not None:
             return
         grads = reader.leftover()
@@ -360,7 +362,8 @@ class Probe:
         if extra and mine:
             ids = {id(p) for p in params}
             others = [p for p in self.sampler_for(mine[0].module).params if id(p) not in ids]
-        reader = applied_gradient(Seen(tuple(params), modules, self._outer, tuple(others)))
+        seen = Seen(tuple(params), modules, self._outer, tuple(others), ranks=self.ranks)
+        reader = applied_gradient(seen)
         why = reader.unsupported() or reader.misread()  # decide, then read and check
         if why is None:
             self._last = reader
@@ -369,7 +372,7 @@ class Probe:
             f"unsupported: {why}; the probe reads the gradient the optimizer applies "
             "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
             "Trainer, TRL, Lightning, Accelerate; DeepSpeed ZeRO 0-3 with or without "
-            "offload; FSDP2 and HSDP)"
+            "offload; FSDP2 and HSDP; tensor parallelism, alone or under FSDP2/HSDP)"
         )
         self._open = None
         self._finish(optimizer)
@@ -421,8 +424,8 @@ def probe(
         windows: how many windows to check: a positive int; None, the first two (a gradient
             left over by a missing ``zero_grad()`` shows only in the second); ``"all"``,
             every window until the block ends.
-        ranks: None (the DDP wrapper's group, else the default group), ``"local"``, or a
-            process group.
+        ranks: None (inferred: a tensor-parallel model's data dims, FSDP2's mesh; the DDP
+            wrapper's group; else the default group), ``"local"``, or a process group.
 
     Returns:
         a :class:`Probe`; after the block, ``probe.report`` (``.ok``, ``.windows``; its text

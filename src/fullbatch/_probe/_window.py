@@ -199,7 +199,7 @@ class OpenWindow:
         candidates = reader.params()
         mine = window.calls_of(candidates)
         wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
-        sync = probe_sync(wrapper, ranks)
+        sync = probe_sync(wrapper, ranks if ranks is not None else reader.ranks())
         name = objective if isinstance(objective, str) else "inferred"
         sampler = sampler_for(mine[0].module) if mine else None
         failure: BaseException | None = None
@@ -209,7 +209,9 @@ class OpenWindow:
             try:
                 name, fn = resolve(objective, mine[0].module)
                 with reader.replaying():
-                    rec = recompute(mine, candidates, sampler, fn, wrt=reader.wrt())
+                    rec = recompute(
+                        mine, candidates, sampler, fn, wrt=reader.wrt(), whole=reader.whole
+                    )
             except (ValueError, TypeError, RuntimeError) as raised:
                 failure = raised
         counts = rec.counts if rec is not None else []
