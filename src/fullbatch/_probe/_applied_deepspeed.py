@@ -40,8 +40,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fullbatch._base._deepspeed import is_deepspeed_engine
 from fullbatch._probe._applied import Reader, Seen
-from fullbatch._wings._deepspeed import is_deepspeed_engine
 
 __all__ = ["DeepSpeedApplied"]
 

@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from fullbatch._base._deepspeed import is_deepspeed_engine
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
 from fullbatch._probe._frames import find_labels, find_micro
 from fullbatch._probe._hooks import eager_hook
-from fullbatch._wings._deepspeed import is_deepspeed_engine
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
 

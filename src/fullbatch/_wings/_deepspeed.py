@@ -6,7 +6,7 @@ Trainer and TRL wings) counts the window first and backpropagates ``loss_sum · 
 ``scale_wrt_gas=False`` (:func:`window_scale`, :func:`scaled`). :func:`close_engine_window`
 ends it: ZeRO 1-3 step (a skipped window's NaN scale makes DeepSpeed's overflow check skip);
 stage 0 reads the gradients first and clears a skipped window. :func:`refusal` names what no
-scale can make exact; :func:`is_deepspeed_engine` is how fullbatch recognises an engine.
+scale can make exact.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ __all__ = [
     "OFFLOAD_FIXED",
     "check_engine",
     "close_engine_window",
-    "is_deepspeed_engine",
     "refusal",
     "scaled",
     "window_scale",
@@ -40,17 +39,6 @@ __all__ = [
 #: fixes precede the 0.19.0 release (#7996 bumped the version after it). ZeRO-1 reduces once per
 #: step and was exact on 0.17.0 (``benchmarks/deepspeed_offload_matrix.py``).
 OFFLOAD_FIXED = (0, 19, 0)
-
-
-def is_deepspeed_engine(obj: Any) -> bool:
-    """Whether ``obj`` is a ``DeepSpeedEngine`` (read from ``sys.modules``: nothing imported).
-
-    >>> is_deepspeed_engine(torch.nn.Linear(1, 1))
-    False
-    """
-    engine = sys.modules.get("deepspeed.runtime.engine")
-    cls = getattr(engine, "DeepSpeedEngine", None)
-    return cls is not None and isinstance(obj, cls)
 
 
 def _version(text: str) -> tuple[int, ...]:
