@@ -58,6 +58,8 @@ One job per module:
 - ``_measured``: what a window's check measured; ``_patterns``: the shapes mistakes leave on
   the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_fixes``: the fix;
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
+- ``_window_stat``: a judge input, the share of a window's error an MoE load-balancing loss
+  taken per micro-batch explains ("a window statistic taken per micro-batch");
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
   measured windows, each judged;
 - ``_cli``: the ``fullbatch probe`` command.

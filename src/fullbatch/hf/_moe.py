@@ -19,18 +19,10 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._moe import load_balancing, router_counts
+from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
 from fullbatch._base._rng import RngState
 
 __all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "window_routing"]
-
-
-@dataclass(frozen=True)
-class MoeAux:
-    """A model's enabled router auxiliary loss: its weight and experts per token."""
-
-    coef: float
-    top_k: int
 
 
 @dataclass(frozen=True)
@@ -53,25 +45,6 @@ class WindowRouting:
             )
         lb = load_balancing(logits, self.counts, attention_mask=inputs.get("attention_mask"))
         return lb * (self.items * self.aux.coef)
-
-
-def moe_aux_of(model: torch.nn.Module) -> MoeAux | None:
-    """The router aux loss the model adds to its own loss (``output_router_logits`` on and a
-    nonzero ``router_aux_loss_coef``), or ``None``."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-    if not getattr(text, "output_router_logits", False) or coef == 0.0:
-        return None
-    top_k = getattr(text, "num_experts_per_tok", None)
-    if not isinstance(top_k, int):
-        raise ValueError(
-            f"{type(model).__name__} has router_aux_loss_coef={coef} and output_router_logits "
-            f"but num_experts_per_tok={top_k!r}; ExactTrainer needs the experts per token."
-        )
-    return MoeAux(coef, top_k)
 
 
 def window_routing(
