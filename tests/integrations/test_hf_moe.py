@@ -17,43 +17,21 @@ import torch.nn.functional as F
 import transformers
 
 import fullbatch.hf as fbhf
-from _moe_cases import COEF, VOCAB, aux64, forward, make_moe, moe_rows, reference, rel_err, update
+from _dist import run_ranks, values
+from _moe_cases import (
+    COEF,
+    VOCAB,
+    aux64,
+    forward,
+    make_moe,
+    moe_rows,
+    reference,
+    rel_err,
+    trainer_rank,
+    trainer_step,
+)
 
 LENGTHS = (7, 3, 5, 7, 2, 6)  # real tokens per row: uneven micro-batches of 2 rows
-
-
-def _collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-
-
-def _step(model: Any, trainer_cls: Any, tmp_path: Any, **kw: Any) -> list[torch.Tensor]:
-    window = moe_rows(LENGTHS, seed=1)
-    data = [{k: v[i] for k, v in window.items()} for i in range(len(LENGTHS))]
-    args = transformers.TrainingArguments(
-        str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=3,
-        max_steps=1,
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    trainer = trainer_cls(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=_collate,
-        optimizers=(opt, None),
-        **kw,
-    )
-    trainer.train()
-    return update(before, model)
 
 
 def _summed_reference(model: Any, rows: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -75,8 +53,8 @@ def test_exact_trainer_moe_step_equals_full_batch(tmp_path: Any) -> None:
     rows = moe_rows(LENGTHS, seed=1)
     want, _ = reference(copy.deepcopy(model), rows)  # checks transformers' own loss agrees
     summed = _summed_reference(copy.deepcopy(model), rows)
-    stock = _step(copy.deepcopy(model), transformers.Trainer, tmp_path / "stock")
-    got = _step(model, fbhf.ExactTrainer, tmp_path / "exact", loss="causal_lm")
+    stock = trainer_step(copy.deepcopy(model), transformers.Trainer, str(tmp_path), LENGTHS)
+    got = trainer_step(model, fbhf.ExactTrainer, str(tmp_path), LENGTHS, loss="causal_lm")
     assert rel_err(got, summed) < 1e-10, rel_err(got, summed)  # rounding only
     assert rel_err(got, want) < 1e-7, rel_err(got, want)  # the float32 RMSNorm inside
     assert rel_err(stock, want) > 1e-3, rel_err(stock, want)  # the control: per micro-batch
@@ -92,3 +70,18 @@ def test_exact_trainer_without_router_logits_adds_no_aux(tmp_path: Any) -> None:
     model.config.output_router_logits = True
     aux = moe_aux_of(model)
     assert aux is not None and (aux.coef, aux.top_k) == (0.25, 2)
+
+
+def test_exact_trainer_moe_two_ddp_ranks(tmp_path: Any) -> None:
+    """Two gloo ranks, 2 micro-batches each of uneven rows: the routing counts and the token
+    count are the window's over both ranks; every rank's step equals the full batch's."""
+    lengths = (7, 3, 5, 7, 2, 6, 4, 1)
+    model = make_moe("mixtral")
+    model.config.output_router_logits = True
+    rows = moe_rows(lengths, seed=1)
+    want, _ = reference(copy.deepcopy(model), rows)
+    summed = _summed_reference(model, rows)
+    got = values(run_ranks(trainer_rank, 2, lengths, deadline=150.0))
+    for rank, applied in enumerate(got):
+        assert rel_err(applied, summed) < 1e-10, (rank, rel_err(applied, summed))
+        assert rel_err(applied, want) < 1e-7, (rank, rel_err(applied, want))
