@@ -85,3 +85,17 @@ def test_exact_trainer_moe_two_ddp_ranks(tmp_path: Any) -> None:
     for rank, applied in enumerate(got):
         assert rel_err(applied, summed) < 1e-10, (rank, rel_err(applied, summed))
         assert rel_err(applied, want) < 1e-7, (rank, rel_err(applied, want))
+
+
+def test_subclass_with_its_own_loss_is_refused_on_moe(tmp_path: Any) -> None:
+    """Only ExactTrainer's own exact_loss adds the window's aux term: a subclass replacing it
+    on a model with a router aux loss would train without it, so it is refused."""
+
+    class Own(fbhf.ExactTrainer):
+        def exact_loss(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
+            raise AssertionError("never reached")
+
+    model = make_moe("mixtral")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="router auxiliary loss"):
+        trainer_step(model, Own, str(tmp_path), LENGTHS)

@@ -65,7 +65,8 @@ class ExactTrainer(Trainer):
     Use it where you would use ``Trainer``, with the same arguments plus ``loss=``; every
     ``TrainingArguments`` option that does not change the loss keeps its meaning
     (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP, FSDP2,
-    DeepSpeed).
+    DeepSpeed). On a transformers MoE model whose config has ``output_router_logits``, the
+    load-balancing loss is the window's, not each micro-batch's (docs/moe.md).
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
@@ -82,7 +83,8 @@ class ExactTrainer(Trainer):
             optimizers); a DeepSpeed config whose ``gradient_clipping`` differs from
             ``max_grad_norm``, or fp16/bf16 at ZeRO stage 0 (ZeRO 0-3 are exact otherwise:
             each window is counted before its forward, :meth:`exact_count`); at the first
-            micro-batch, missing ``labels`` or labels whose shape does not fit the kind.
+            micro-batch, missing ``labels`` or labels whose shape does not fit the kind; a
+            subclass with its own ``exact_loss`` on a model with a router aux loss.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
 
