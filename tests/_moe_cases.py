@@ -154,3 +154,68 @@ def rel_err(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float:
     num = sum(((g - w) ** 2).sum() for g, w in zip(got, want, strict=True)) ** 0.5
     den = sum((w**2).sum() for w in want) ** 0.5
     return float(num / den)
+
+
+def _collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def trainer_step(
+    model: nn.Module, trainer_cls: Any, out_dir: str, lengths: Sequence[int], **kw: Any
+) -> list[torch.Tensor]:
+    """One optimizer step of a ``transformers.Trainer`` class (SGD lr=1, no clipping, 2 rows
+    per micro-batch, ``len(lengths) / 2 / world`` micro-batches per window) over
+    :func:`moe_rows` ``(lengths, seed=1)``; the parameter change (the applied gradient)."""
+    import transformers
+
+    window = moe_rows(lengths, seed=1)
+    data = [{k: v[i] for k, v in window.items()} for i in range(len(lengths))]
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    args = transformers.TrainingArguments(
+        out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=len(lengths) // (2 * world),
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=_collate,
+        optimizers=(opt, None),
+        **kw,
+    )
+    trainer.train()
+    assert trainer.accelerator.num_processes == world
+    return update(before, model)
+
+
+def trainer_rank(rank: int, world: int, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """One rank of the ExactTrainer MoE DDP test (the gloo group is up: tests/_dist.py)."""
+    import os
+    import tempfile
+
+    import fullbatch.hf
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # never used: accelerate finds the process group initialized
+        OMP_NUM_THREADS="1",
+    )
+    model = make_moe("mixtral")
+    model.config.output_router_logits = True
+    with tempfile.TemporaryDirectory() as out:
+        return trainer_step(model, fullbatch.hf.ExactTrainer, out, lengths, loss="causal_lm")

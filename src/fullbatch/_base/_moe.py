@@ -13,15 +13,18 @@ gradient, so over a window the loss is a sum of micro-batch terms once ``C`` and
 the window's: :func:`router_counts` gives them for ``window.stats``, and
 :func:`load_balancing` is one micro-batch's term. Summed over the window's micro-batches
 and ranks it is the full batch's loss, and so is its gradient (docs/moe.md).
+:func:`moe_aux_of` reads whether a transformers model adds the loss itself
+(``output_router_logits`` and ``router_aux_loss_coef``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["load_balancing", "router_counts"]
+__all__ = ["MoeAux", "load_balancing", "moe_aux_of", "router_counts"]
 
 
 def _layers(router_logits: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -131,3 +134,31 @@ def load_balancing(
     rows = rows.to(device, dtype)
     share = experts.to(device, dtype) / rows
     return experts.shape[0] * (share * probs).sum() / rows
+
+
+@dataclass(frozen=True)
+class MoeAux:
+    """A model's enabled router auxiliary loss: its weight and experts per token."""
+
+    coef: float
+    top_k: int
+
+
+def moe_aux_of(model: torch.nn.Module) -> MoeAux | None:
+    """The router aux loss the model adds to its own loss (``output_router_logits`` on and a
+    nonzero ``router_aux_loss_coef``), or ``None``."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    if not getattr(text, "output_router_logits", False) or coef == 0.0:
+        return None
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        raise ValueError(
+            f"{type(model).__name__} has router_aux_loss_coef={coef} and output_router_logits "
+            f"but num_experts_per_tok={top_k!r}; the load-balancing loss needs the experts "
+            "per token."
+        )
+    return MoeAux(coef, top_k)

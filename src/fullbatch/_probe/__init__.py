@@ -69,6 +69,8 @@ One job per module:
   ``loss=``, TRL's ``SFTTrainer``), or a refusal before anything trains where it is no
   built-in one (TRL's DPO, KTO, ORPO, GRPO, ...);
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
+- ``_window_stat``: a judge input, the share of a window's error an MoE load-balancing loss
+  taken per micro-batch explains ("a window statistic taken per micro-batch");
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
   measured windows, each judged; ``_export``: the report as versioned data (``--json``) and its
   schema; ``_plot``: the report as a picture (``--plot``);

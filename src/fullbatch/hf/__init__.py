@@ -12,7 +12,8 @@ window with no items, a non-finite loss or gradient is skipped as ``fb.Accumulat
 are never counted (``"masked_lm"`` and ``"classification"``, earlier names, still work with a
 ``DeprecationWarning`` naming ``"token"`` and ``"sample"``). :func:`check_trainer` runs a
 configured Trainer on copies, one window against the full batch. The whole story (DDP, FSDP2,
-DeepSpeed, what is refused): docs/integrations.md ("Hugging Face Trainer").
+DeepSpeed, what is refused): docs/integrations.md ("Hugging Face Trainer"). On a transformers
+MoE model with ``output_router_logits`` the load-balancing loss is the window's (docs/moe.md).
 
 >>> import fullbatch.hf
 >>> fullbatch.hf.ExactTrainer.__mro__[1].__name__
@@ -20,7 +21,8 @@ DeepSpeed, what is refused): docs/integrations.md ("Hugging Face Trainer").
 
 Modules: ``_trainer`` (:class:`ExactTrainer`), ``_window`` (a Trainer window from
 ``get_batch_samples`` to its close), ``_deepspeed`` (the window under a DeepSpeed config),
-``_settings`` (settings refused before training), ``_seq2seq`` (encoder-decoder heads).
+``_settings`` (settings refused before training), ``_seq2seq`` (encoder-decoder heads),
+``_moe`` (an MoE model's load-balancing loss over the window: the routing pre-pass).
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ from fullbatch._proof._objective import (
     objective_loss,
 )
 from fullbatch.hf._deepspeed import DeepSpeedTrainerWindow
+from fullbatch.hf._moe import WindowRouting, moe_aux_of, window_routing
 from fullbatch.hf._seq2seq import check_kind, with_decoder_inputs
 from fullbatch.hf._settings import refuse_args
-from fullbatch.hf._window import KeepSchedule, TrainerWindow, restored
+from fullbatch.hf._window import KeepSchedule, TrainerWindow, restored, summed
 
 __all__ = ["LOSS_KINDS", "ExactTrainer", "LossFn", "target_count"]
 
@@ -63,7 +64,8 @@ class ExactTrainer(Trainer):
     Use it where you would use ``Trainer``, with the same arguments plus ``loss=``; every
     ``TrainingArguments`` option that does not change the loss keeps its meaning
     (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP, FSDP2,
-    DeepSpeed).
+    DeepSpeed). On a transformers MoE model whose config has ``output_router_logits``, the
+    load-balancing loss is the window's, not each micro-batch's (docs/moe.md).
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
@@ -80,7 +82,8 @@ class ExactTrainer(Trainer):
             optimizers); a DeepSpeed config whose ``gradient_clipping`` differs from
             ``max_grad_norm``, or fp16/bf16 at ZeRO stage 0 (ZeRO 0-3 are exact otherwise:
             each window is counted before its forward, :meth:`exact_count`); at the first
-            micro-batch, missing ``labels`` or labels whose shape does not fit the kind.
+            micro-batch, missing ``labels`` or labels whose shape does not fit the kind; a
+            subclass with its own ``exact_loss`` on a model with a router aux loss.
         TypeError: a class that overrides ``compute_loss`` (it would not be called for
             training) without an ``exact_loss`` that replaces it.
 
@@ -146,6 +149,7 @@ class ExactTrainer(Trainer):
         self.fb_counters = WindowCounters()  # optimizer steps taken, windows skipped
         self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
         self.add_callback(KeepSchedule(self._fb_restore_schedule))
+        self._fb_routing: WindowRouting | None = None  # the window's MoE routing counts
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -159,6 +163,15 @@ class ExactTrainer(Trainer):
             raise ValueError(
                 f"{type(self).__name__} normalizes the loss itself and refuses tensor/context/"
                 "sequence parallelism: use plain data parallelism."
+            )
+        if moe_aux_of(self.accelerator.unwrap_model(self.model)) is not None and (
+            type(self).exact_loss is not ExactTrainer.exact_loss
+        ):
+            raise ValueError(
+                f"{type(self).__name__} overrides exact_loss on a model with a router auxiliary "
+                "loss (output_router_logits, router_aux_loss_coef): only ExactTrainer's own "
+                "exact_loss adds the window's load-balancing term. Set router_aux_loss_coef=0.0 "
+                "or output_router_logits=False in the config to train without it."
             )
         if callable(self.fb_loss) or self.fb_loss is None:
             return
@@ -179,7 +192,25 @@ class ExactTrainer(Trainer):
         batches = list(itertools.islice(epoch_iterator, num_batches))
         opened = DeepSpeedTrainerWindow if self.is_deepspeed_enabled else TrainerWindow
         self._fb_window = opened(self, batches, self._fb_c)
+        self._fb_routing = self._window_routing(batches)
         return batches, None
+
+    def _window_routing(self, batches: list[Any]) -> WindowRouting | None:
+        """For a model that adds a router aux loss, the window's routing counts and item
+        count, over every micro-batch and rank (a no-grad pre-pass: ``fullbatch.hf._moe``)."""
+        model = self.accelerator.unwrap_model(self.model)
+        aux = moe_aux_of(model)
+        if aux is None or not batches:
+            return None
+        model.train()
+        micro = [dict(self._prepare_inputs(b)) for b in batches]
+        return window_routing(aux, model, micro, self._items, summed(self))
+
+    def _items(self, inputs: dict[str, Any], outputs: Any) -> float:
+        if callable(self.fb_loss):
+            return float(self.fb_loss(outputs, inputs["labels"])[1])
+        assert isinstance(self.fb_loss, str)
+        return target_count(inputs, self.fb_loss)
 
     def _counts_up_front(self) -> bool:
         return type(self).exact_count is not ExactTrainer.exact_count
@@ -245,11 +276,15 @@ class ExactTrainer(Trainer):
             inputs = with_decoder_inputs(model, inputs, labels)
         outputs = model(**inputs)
         if callable(self.fb_loss):
-            return self.fb_loss(outputs, labels)
-        if shift_labels is not None and self.fb_loss == "causal_lm":
-            return _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
-        assert isinstance(self.fb_loss, str)  # __init__ refuses None without exact_loss
-        return _kind_loss(self.fb_loss, outputs, labels, shifted=False)
+            loss_sum, count = self.fb_loss(outputs, labels)
+        elif shift_labels is not None and self.fb_loss == "causal_lm":
+            loss_sum, count = _kind_loss("causal_lm", outputs, shift_labels, shifted=True)
+        else:
+            assert isinstance(self.fb_loss, str)  # __init__ refuses None without exact_loss
+            loss_sum, count = _kind_loss(self.fb_loss, outputs, labels, shifted=False)
+        if self._fb_routing is not None and model.training:
+            loss_sum = loss_sum + self._fb_routing.term(outputs, inputs).to(loss_sum.dtype)
+        return loss_sum, count
 
     def _fb_restore_schedule(self) -> None:
         """Put back the LR schedule a skipped window kept (after the Trainer's scheduler step)."""

@@ -1,0 +1,81 @@
+"""The MoE load-balancing loss of a transformers model, exact over an ``ExactTrainer`` window.
+
+A transformers MoE model (Mixtral, Qwen3-MoE, OLMoE) whose config has
+``output_router_logits=True`` adds ``router_aux_loss_coef · E · Σ_i f_i · P_i`` to its loss,
+computed per forward: under accumulation, per micro-batch. Here the routing counts ``f`` are
+the window's: a no-grad pre-pass over the window's micro-batches (RNG restored) takes
+``fb.moe.router_counts`` and the window's item count ``N``, summed over the ranks in one
+reduction, and each micro-batch's loss sum gains ``N · coef · load_balancing(its router
+logits, the window's counts)``; divided by ``N`` at the window's close, the step is the full
+batch's (docs/moe.md, "Hugging Face Trainer"). The model's own loss is never used
+(``ExactTrainer`` withholds the labels), so its per-micro-batch aux term is not added twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
+from fullbatch._base._rng import RngState
+
+__all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "window_routing"]
+
+
+@dataclass(frozen=True)
+class WindowRouting:
+    """The window's routing counts (``fb.moe.router_counts`` over every micro-batch and rank)
+    and its item count ``N``: the constants every micro-batch's aux term uses."""
+
+    aux: MoeAux
+    counts: dict[str, torch.Tensor]
+    items: float
+
+    def term(self, outputs: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """``N · coef · load_balancing``: this micro-batch's aux term as a share of the loss
+        *sum* the window divides by ``N``."""
+        logits = getattr(outputs, "router_logits", None)
+        if logits is None:
+            raise ValueError(
+                "the model returned no router_logits although its config has "
+                "output_router_logits=True; ExactTrainer needs them for the load-balancing loss."
+            )
+        lb = load_balancing(logits, self.counts, attention_mask=inputs.get("attention_mask"))
+        return lb * (self.items * self.aux.coef)
+
+
+def window_routing(
+    aux: MoeAux,
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, Any]],
+    count: Callable[[dict[str, Any], Any], float],
+    summed: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> WindowRouting:
+    """The pre-pass: a no-grad forward of every micro-batch (labels withheld), its router
+    counts and ``count(inputs, outputs)`` items, summed over the window and (``summed``) the
+    ranks in one reduction. The RNG state is put back, so the training forwards draw the
+    dropout masks they would draw without it."""
+    rng = RngState()
+    rows: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            for inputs in micro_batches:
+                given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+                outputs = model(**given, output_router_logits=True)
+                c = router_counts(
+                    outputs.router_logits,
+                    top_k=aux.top_k,
+                    attention_mask=inputs.get("attention_mask"),
+                )
+                n = torch.as_tensor(float(count(inputs, outputs)), dtype=torch.float64)
+                rows.append(torch.cat([c["experts"], c["rows"].reshape(1), n.reshape(1)]))
+    finally:
+        rng.restore()
+    total = torch.stack([r.to(rows[0].device) for r in rows]).sum(0)
+    if summed is not None:
+        total = summed(total)
+    experts = total[:-2]
+    return WindowRouting(aux, {"experts": experts, "rows": total[-2]}, float(total[-1].item()))
