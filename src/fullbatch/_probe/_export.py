@@ -109,16 +109,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _verdict(report: Any) -> str:
-    from fullbatch._probe._report import UNCHECKED
-
-    if any(not w.ok and w.pattern not in UNCHECKED for w in report.windows):
-        return "wrong"
-    if getattr(report, "failure", ""):
-        return "failed"
-    return "right" if report.ok else "nothing checked"
-
-
 def report_dict(report: Any) -> dict[str, Any]:
     """``report`` (a :class:`~fullbatch._probe._report.ProbeReport`) as JSON-ready data.
 
@@ -128,7 +118,7 @@ def report_dict(report: Any) -> dict[str, Any]:
     (1, 'nothing checked', [], [])
     """
     out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "ok": report.ok}
-    out["verdict"] = _verdict(report)
+    out["verdict"] = report.verdict
     for f in dataclasses.fields(report):
         if f.name != "windows":
             out[f.name] = _plain(getattr(report, f.name))

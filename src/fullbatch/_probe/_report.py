@@ -218,6 +218,16 @@ class ProbeReport:
         return report_dict(self)
 
     @property
+    def verdict(self) -> str:
+        """One word for a machine: "wrong", "failed" (after right windows), "right" or
+        "nothing checked"."""
+        if any(not w.ok and w.pattern not in UNCHECKED for w in self.windows):
+            return "wrong"
+        if self.failure:
+            return "failed"
+        return "right" if self.ok else "nothing checked"
+
+    @property
     def checked(self) -> bool:
         """Whether at least one window was judged (not only "nothing to check")."""
         return any(w.pattern not in UNCHECKED for w in self.windows)

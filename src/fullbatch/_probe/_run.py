@@ -28,7 +28,7 @@ from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
-from fullbatch._probe._trainer_objective import trainer_objective
+from fullbatch._probe._trainer_objective import ObjectiveUnknown, trainer_objective
 from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective, infer_objective
@@ -45,15 +45,6 @@ class ProbeFinished(BaseException):
     """Raised out of ``step()`` after the probed windows when the probe was asked to stop the
     run (``fullbatch probe`` without ``--keep-training``); a BaseException so that a script's
     ``except Exception`` does not swallow it."""
-
-
-class ObjectiveUnknown(ValueError):
-    """``objective=None`` on a model whose objective cannot be inferred: raised at its first
-    forward, before any backward or step (``module``: its class name)."""
-
-    def __init__(self, message: str, module: str) -> None:
-        super().__init__(message)
-        self.module = module
 
 
 def window_limit(windows: Any) -> int | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from fullbatch._probe._engines import Engine
 
-__all__ = ["Unknown", "trainer_objective"]
+__all__ = ["ObjectiveUnknown", "Unknown", "trainer_objective"]
 
 #: TRL trainers whose objective is no built-in one, by class name.
 _TRL_OTHERS = (
@@ -36,6 +36,15 @@ _TRL_OTHERS = (
 
 class Unknown(ValueError):
     """The objective of the trainer that runs cannot be inferred: the probe will not guess."""
+
+
+class ObjectiveUnknown(ValueError):
+    """``objective=None`` on a model whose objective cannot be inferred: raised at its first
+    forward, before any backward or step (``module``: its class name)."""
+
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 def _declare(trainer: str, why: str) -> Unknown:
