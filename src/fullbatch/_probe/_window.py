@@ -28,6 +28,7 @@ from torch import nn
 
 from fullbatch._base._sync._probe import probe_sync
 from fullbatch._probe._applied import AppliedGradient
+from fullbatch._probe._applied_grad import GradApplied
 from fullbatch._probe._call_loss import resolve
 from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
@@ -236,7 +237,10 @@ class OpenWindow:
         out._where = {id(p): i for i, p in enumerate(candidates)}
         out.objective_source = _source(objective, objective_source, mine)
         out.units = _units(name, mine)
-        out.coupled = coupling(objective, name, mine) if callable(objective) else None
+        # The coupling check runs the model again, on this rank alone: only where that fires no
+        # engine's collectives and changes no engine state (one process, gradients in .grad).
+        alone = sync.world == 1 and isinstance(reader, GradApplied)
+        out.coupled = coupling(objective, name, mine) if callable(objective) and alone else None
         if sampler is not None:
             out.applied = torch.zeros(sampler.size, dtype=torch.float64)
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
