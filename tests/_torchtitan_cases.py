@@ -96,7 +96,9 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
-def _case(cfg: Any, parallel_dims: Any, how: str) -> dict[str, Any]:
+def _parallelized(cfg: Any, parallel_dims: Any) -> tuple[nn.Module, Any, list[Any]]:
+    """torchtitan's model under its ``parallelize_llama``, an SGD optimizer, and the list
+    that receives the gradient the optimizer applies (recorded at its first step)."""
     from torchtitan.models.llama3 import parallelize_llama
 
     model = parallelize_llama(
@@ -110,6 +112,23 @@ def _case(cfg: Any, parallel_dims: Any, how: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     applied: list[Any] = []
     opt.register_step_pre_hook(functools.partial(_record, applied, model))
+    return model, opt, applied
+
+
+def _accumulator(cfg: Any, parallel_dims: Any) -> dict[str, Any]:
+    """The same model and data trained by ``fb.Accumulator`` (no argument about the mesh)."""
+    model, opt, applied = _parallelized(cfg, parallel_dims)
+    data = micro_batches(parallel_dims.get_mesh("batch").get_local_rank())
+    with fb.Accumulator(model, opt, micro_batches=K) as acc:
+        for window in acc.windows(data):
+            for micro in window:
+                window.backward(*objective(model, micro))
+            stats = window.step()
+    return {"applied": applied[0], "count": stats.count}
+
+
+def _case(cfg: Any, parallel_dims: Any, how: str) -> dict[str, Any]:
+    model, opt, applied = _parallelized(cfg, parallel_dims)
     batch = parallel_dims.get_mesh("batch")
     window = micro_batches(batch.get_local_rank())
     with fb.probe(objective=objective, windows=1) as probe:
@@ -128,7 +147,7 @@ def _case(cfg: Any, parallel_dims: Any, how: str) -> dict[str, Any]:
 
 
 def fsdp_tp(rank: int, world: int) -> dict[str, Any]:
-    """torchtitan's FSDP 2 x TP 2 on 4 ranks: every loop."""
+    """torchtitan's FSDP 2 x TP 2 on 4 ranks: every loop, and ``fb.Accumulator``."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -139,7 +158,8 @@ def fsdp_tp(rank: int, world: int) -> dict[str, Any]:
     cfg.model_spec.model.update_from_config(config=cfg)
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
     parallel_dims.build_mesh()
-    return {how: _case(cfg, parallel_dims, how) for how in ("right", "count over tp")}
+    out = {how: _case(cfg, parallel_dims, how) for how in ("right", "count over tp")}
+    return {**out, "accumulator": _accumulator(cfg, parallel_dims)}
 
 
 def reference() -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ minutes; ``pip install torchtitan==0.3.0`` and ``pip install --no-deps triton`` 
 
 Each verdict is checked against a float64 full batch of the same model, unparallelized: the
 right loop's applied gradient is the full batch's (float32 rounding) and the probe says right;
-the count summed over the TP ranks too is half of it, and the probe says so.
+the count summed over the TP ranks too is half of it, and the probe says so; fb.Accumulator
+on the same model gives the full batch's step on every rank.
 """
 
 from __future__ import annotations
@@ -79,3 +80,14 @@ def test_count_over_the_tp_dim_is_named(
         assert first.pattern == "not normalized", first.diagnosis
         assert first.error == pytest.approx(measured, abs=1e-5)
         assert first.weights == pytest.approx([0.5] * 2 * cases.K, abs=1e-5)
+
+
+def test_accumulator_on_torchtitan_is_the_full_batch(
+    cases: Any, runs: list[dict[str, Any]], reference: dict[str, torch.Tensor]
+) -> None:
+    """``fb.Accumulator`` on torchtitan's FSDP2 x TP model, nothing said about the mesh: the
+    full batch's step on every rank, the items counted over the data ranks only."""
+    count = sum(int((m["labels"] != -100).sum()) for r in (0, 1) for m in cases.micro_batches(r))
+    for res in runs:
+        assert _rel(res["accumulator"]["applied"], reference) < 1e-5  # float32 vs float64
+        assert res["accumulator"]["count"] == count  # not once per TP rank
