@@ -135,6 +135,50 @@ def test_auto_retry_keeps_the_statistic() -> None:
     assert abs(stats.loss - loss) < RTOL * loss
 
 
+def test_out_of_memory_in_the_pre_pass_runs_it_in_halves() -> None:
+    """micro_batch_size="auto": the first window is one whole micro-batch, whose no-grad
+    pre-pass forward runs out of memory too; the pre-pass re-runs it in halves (7 rows -> 4,
+    3 -> 2, 2, 2, 1), the statistic is the same sum, and the step is exact."""
+    rows = moe_rows(LENGTHS, seed=3)
+    model = make_moe("olmoe")
+    grads, loss = reference(copy.deepcopy(model), rows)
+
+    def fits(_: Any, __: Any, out: torch.Tensor) -> None:
+        if out.shape[0] > 2:
+            raise torch.OutOfMemoryError(f"{out.shape[0]} rows do not fit")
+
+    model.model.embed_tokens.register_forward_hook(fits)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = fb.Accumulator(model, opt, micro_batch_size="auto", counts=tokens())
+    stat, calls = routing(model), []
+
+    def counted(micro: dict) -> Any:
+        calls.append(micro["input_ids"].shape[0])
+        return stat(micro)
+
+    for window in acc.windows([rows]):
+        counts = window.stats(counted)
+        stats = window.run(lambda m, w=window, c=counts: exact_share(model, w, c, m))
+    assert calls == [7, 4, 2, 2, 3, 2, 1]  # tried whole, then halves until they fit
+    assert rel_err(update(before, model), grads) < RTOL
+    assert abs(stats.loss - loss) < RTOL * loss
+
+
+def test_out_of_memory_at_one_row_in_the_pre_pass_raises() -> None:
+    model = torch.nn.Linear(2, 2)
+    acc = fb.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches=1)
+    before = model.weight.detach().clone()
+
+    def too_big(micro: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError(f"{micro.shape[0]} rows do not fit")
+
+    with pytest.raises(torch.OutOfMemoryError, match="^1 rows do not fit"):
+        for window in acc.windows([torch.ones(3, 2)]):
+            window.stats(too_big)
+    assert torch.equal(model.weight, before)
+
+
 @pytest.mark.parametrize("done", [1, 2])
 def test_mid_window_resume_uses_the_saved_statistic(done: int) -> None:
     """A state saved inside a window holds the statistic; the resumed window never runs a

@@ -14,6 +14,13 @@ under a key. Activation recomputation never reaches it (it is not part of any ba
 checkpoint holds it, so a resumed window uses it and never runs a pre-pass over the
 micro-batches left. The RNG state is restored after the pre-pass (the training forwards draw
 the dropout masks they would draw without it) and BatchNorm buffers are put back.
+
+A pre-pass forward that raises ``torch.OutOfMemoryError`` (under ``"auto"`` the first window
+is one whole micro-batch) is re-run on the two halves of its micro-batch, down to one row: a
+summed statistic is the sum over any split of the rows, a concatenated one their
+concatenation in order, so the value is the same. Not where forwards run collectives (FSDP2:
+the ranks would run different numbers of forwards): there the error propagates, naming the
+fix.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from torch import nn
 
 from fullbatch._base._rng import RngState
+from fullbatch._base._split import count_rows, split_rows
 from fullbatch._base._sync import Sync
 from fullbatch._engine._core import Handle
 from fullbatch._engine._state import Phase
@@ -94,6 +102,29 @@ def _batchnorm_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     ]
 
 
+def _halving(fn: StatsFn, micro: Any, *, split: bool) -> list[Any]:
+    """``fn``'s outputs on ``micro``, or on its halves (recursively) where it runs out of memory."""
+    try:
+        return [fn(micro)]
+    except torch.OutOfMemoryError as error:
+        try:
+            rows = count_rows(micro)
+        except ValueError:
+            rows = 1
+        if not split or rows <= 1:
+            if split:
+                raise
+            raise torch.OutOfMemoryError(
+                f"{error} (in window.stats's pre-pass, whose forwards run FSDP2's all-gathers "
+                "on every rank, so it cannot re-run one rank's micro-batch in halves: give "
+                "the Accumulator a micro_batch_size whose no-grad forward fits)"
+            ) from error
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    halves = split_rows(micro, -(-rows // 2))
+    return [out for half in halves for out in _halving(fn, half, split=True)]
+
+
 def _run(window: Handle, fn: StatsFn) -> tuple[list[list[torch.Tensor]], Any]:
     """``fn`` on every micro-batch of the window, no gradients, no collectives but FSDP2's."""
     engine = window._engine
@@ -114,13 +145,14 @@ def _run(window: Handle, fn: StatsFn) -> tuple[list[list[torch.Tensor]], Any]:
     try:
         with torch.no_grad(), quiet:
             for micro, padding in micros:
-                leaves, rebuild_here = _leaves(fn(micro))
-                if not padding:
-                    results.append([t.detach() for t in leaves])
-                    rebuild = rebuild_here
-                elif rebuild is None:  # shapes for a rank holding only padding
-                    rebuild = rebuild_here
-                    results.append([torch.zeros_like(t) for t in leaves])
+                for out in _halving(fn, micro, split=not sync.sharded):
+                    leaves, rebuild_here = _leaves(out)
+                    if not padding:
+                        results.append([t.detach() for t in leaves])
+                        rebuild = rebuild_here
+                    elif rebuild is None:  # shapes for a rank holding only padding
+                        rebuild = rebuild_here
+                        results.append([torch.zeros_like(t) for t in leaves])
     finally:
         rng.restore()
         with torch.no_grad():
