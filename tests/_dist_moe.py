@@ -1,4 +1,4 @@
-"""Rank functions for window statistics under DDP (see test_distributed_window_stats)."""
+"""Rank functions for window statistics under DDP and FSDP2 (see test_distributed_window_stats)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,28 @@ def _rank_rows(rank: int) -> tuple[int, int]:
 
 
 def moe_rank(rank: int, world: int, families: tuple[str, ...]) -> dict[str, Any]:
-    """Every family in one run of the ranks (a start of the ranks costs more than a step)."""
-    return {family: _moe_family(rank, family) for family in families}
+    """Every family in one run of the ranks (a start of the ranks costs more than a step), under
+    DDP, and the first under FSDP2 too (keyed ``"<family>/fsdp2"``)."""
+    out = {family: _moe_family(rank, family) for family in families}
+    out[f"{families[0]}/fsdp2"] = _moe_family(rank, families[0], fsdp=True)
+    return out
 
 
-def _moe_family(rank: int, family: str) -> dict[str, Any]:
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+
+
+def _moe_family(rank: int, family: str, fsdp: bool = False) -> dict[str, Any]:
     model = make_moe(family)
     before = [p.detach().clone() for p in model.parameters()]
-    ddp = DDP(model, find_unused_parameters=True)
+    if fsdp:  # every forward all-gathers: rank 0's pre-pass runs a padding micro-batch too
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        ddp: Any = fully_shard(model)
+    else:
+        ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
     start, stop = _rank_rows(rank)
     rows = {k: v[start:stop] for k, v in moe_window().items()}
@@ -50,7 +64,7 @@ def _moe_family(rank: int, family: str) -> dict[str, Any]:
         for micro in window:
             window.backward(exact_share(ddp, window, counts, micro))
         stats = window.step()
-    update = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+    update = [b - _full(p) for b, p in zip(before, model.parameters(), strict=True)]
     return {"update": update, "loss": stats.loss, "calls": calls, "counts": counts}
 
 

@@ -173,7 +173,7 @@ def test_out_of_memory_at_one_row_in_the_pre_pass_raises() -> None:
     def too_big(micro: torch.Tensor) -> torch.Tensor:
         raise torch.OutOfMemoryError(f"{micro.shape[0]} rows do not fit")
 
-    with pytest.raises(torch.OutOfMemoryError, match="^1 rows do not fit"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"^1 rows do not fit"):
         for window in acc.windows([torch.ones(3, 2)]):
             window.stats(too_big)
     assert torch.equal(model.weight, before)
