@@ -18,6 +18,13 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
+from fullbatch._probe._args import (
+    DEFAULT_WINDOWS,
+    ProbeFinished,
+    check_coupled,
+    inner_optimizer,
+    window_limit,
+)
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._coupled import one_per_micro
@@ -33,53 +40,10 @@ from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective, infer_objective
 
+# DEFAULT_WINDOWS, ProbeFinished and window_limit live in _args; the command imports them here.
 __all__ = [
     "DEFAULT_WINDOWS", "ObjectiveUnknown", "Probe", "ProbeFinished", "probe", "window_limit",
 ]  # fmt: skip
-
-#: Windows checked by default: a gradient left over by a missing zero_grad() shows in the 2nd.
-DEFAULT_WINDOWS = 2
-
-
-class ProbeFinished(BaseException):
-    """Raised out of ``step()`` after the probed windows when the probe was asked to stop the
-    run (``fullbatch probe`` without ``--keep-training``); a BaseException so that a script's
-    ``except Exception`` does not swallow it."""
-
-
-def window_limit(windows: Any) -> int | None:
-    """How many windows to check: ``windows`` itself, :data:`DEFAULT_WINDOWS` for None, None
-    (every window) for ``"all"``.
-
-    >>> window_limit(None), window_limit(3), window_limit("all")
-    (2, 3, None)
-    """
-    if windows is None:
-        return DEFAULT_WINDOWS
-    if windows == "all":
-        return None
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
-        raise ValueError(
-            f"windows must be a positive int, None (the first {DEFAULT_WINDOWS}) or 'all' (every "
-            f"window until the block ends), got {windows!r}; e.g. windows=2 or windows='all'."
-        )
-    return windows
-
-
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's or Lightning's wrapper."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one), got "
-            f"{type(optimizer).__name__}; or leave it out: fb.probe() finds the optimizers that "
-            "step inside the block."
-        )
-    return optimizer
 
 
 class Probe:
@@ -95,6 +59,7 @@ class Probe:
         ranks: Any,
         stop: bool = False,
         keep_going: bool = False,
+        coupled: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module or None, got {type(model).__name__}.")
@@ -102,7 +67,8 @@ class Probe:
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
         objective = check_objective(objective)  # an earlier release's name: warned, renamed
-        self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
+        self.coupled = check_coupled(coupled, objective)
+        self.optimizer = None if optimizer is None else inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
         self.objective_source = "declared" if objective is not None else ""
         self.keep_going = keep_going  # a failure of the probe's own never stops the run
@@ -325,6 +291,7 @@ class Probe:
         self._open = OpenWindow.start(
             window, reader, sampler_for=self.sampler_for, objective=self.objective,
             ranks=self.ranks, engine=find_engine(), objective_source=self.objective_source,
+            coupled=self.coupled,
         )  # fmt: skip
         self._open.read(optimizer, reader, self._clips_of(reader))
 
@@ -391,6 +358,7 @@ def probe(
     objective: Any = None,
     windows: int | str | None = None,
     ranks: Any = None,
+    coupled: bool = False,
 ) -> Probe:
     """Check that the code run inside the block accumulates gradients like the full batch.
 
@@ -417,6 +385,12 @@ def probe(
             every window until the block ends.
         ranks: None (inferred: a tensor-parallel model's data dims, FSDP2's mesh; the DDP
             wrapper's group; else the default group), ``"local"``, or a process group.
+        coupled: True declares that the callable ``objective`` couples rows (in-batch
+            negatives, a batch statistic): each window is then compared with ``fn`` over its
+            whole rows as one batch (its micro-batches concatenated, as
+            ``window.run_coupled`` defines the full batch), on one process with gradients in
+            ``.grad``; a per-micro-batch InfoNCE is wrong (``"coupled loss taken per
+            micro-batch"``). Undeclared, a coupled loss is named, not judged.
 
     Returns:
         a :class:`Probe`; after the block, ``probe.report`` (``.ok``, ``.windows``; its text
@@ -442,4 +416,6 @@ def probe(
     >>> probe.report.ok, probe.report.windows[0].pattern
     (False, 'mean of per-micro-batch means')
     """
-    return Probe(model, optimizer, objective=objective, windows=windows, ranks=ranks)
+    return Probe(
+        model, optimizer, objective=objective, windows=windows, ranks=ranks, coupled=coupled
+    )
