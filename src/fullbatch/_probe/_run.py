@@ -30,6 +30,7 @@ from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._coupled import one_per_micro
 from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
+from fullbatch._probe._failures import gave_up, run_failed, unsupported
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
@@ -141,21 +142,29 @@ class Probe:
 
     def note_failure(self, text: str) -> None:
         """Say in the report what ended the run with an error (``fullbatch probe``: the
-        script's exception or exit status)."""
-        self.failure = self.failure or text
+        script's exception or exit status), and in which of the report's windows."""
+        if not self.failure:
+            self.failure = run_failed(text, None if self._done else self._window_now())
+
+    def _window_now(self) -> int:
+        """The report's number of the window the run is in: the one being recorded, or the
+        open one where nothing was recorded since it began (between its optimizers)."""
+        if self._open is not None and not self._capture.calls:
+            return self._windows
+        return self._windows + 1
+
+    def _unchecked(self) -> int:
+        """The first window a failure now leaves unreported: the open one, else the next."""
+        return self._open.window.step if self._open is not None else self._windows + 1
 
     def _gave_up(
         self, error: Exception, optimizer: torch.optim.Optimizer | None, window: int = 0
     ) -> None:
-        """The probe's own check failed: say so in the report and stop probing; with
-        ``keep_going`` the run goes on, else ``error`` is raised (out of the hook or step)."""
+        """The probe's own check failed in ``window`` (0: the window being checked at this
+        ``step()``): say so in the report and stop probing; with ``keep_going`` the run goes
+        on, else ``error`` is raised (out of the hook or step)."""
         self.failed = error
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        self._problems.append(
-            f"not checked from window {window or self._windows or 1} on: the probe failed "
-            f"({type(error).__name__}: {first}); "
-            + ("the run went on without it" if self.keep_going else "the run was stopped")
-        )
+        self._problems.append(gave_up(error, window or self._windows, self.keep_going))
         self._open = None
         self._finish(optimizer)
         if not self.keep_going:
@@ -165,7 +174,7 @@ class Probe:
         """What a forward hook of the probe raised."""
         if error is self.failed:
             raise error
-        self._gave_up(error, None, self._windows + 1)
+        self._gave_up(error, None, self._unchecked())
 
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
@@ -179,7 +188,7 @@ class Probe:
         that runs, else inferred from the model, else fail now, before anything trained), and
         what gradient it already holds kept."""
         if self.objective is None and not self.objective_source:
-            self._paused(self._trainer_objective, None)
+            self._paused(self._trainer_objective, None, self._unchecked())
         self._infer(module)
         if self._done:
             return
@@ -216,7 +225,7 @@ class Probe:
             infer_objective(module)
         except ValueError as error:
             unknown = ObjectiveUnknown(str(error), type(module).__name__)
-            self._gave_up(unknown, None, self._windows + 1)
+            self._gave_up(unknown, None, self._unchecked())
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
@@ -232,7 +241,7 @@ class Probe:
         except Exception as error:
             if error is self.failed or not self.keep_going:
                 raise
-            self._gave_up(error, optimizer)
+            self._gave_up(error, optimizer, self._unchecked())
 
     # -- windows -----------------------------------------------------------------------------
 
@@ -254,14 +263,15 @@ class Probe:
                 return
         self._guarded(lambda: self._begin(optimizer), optimizer)
 
-    def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-        """``run()`` with recording paused; an error stops the probe (and, unless
-        ``keep_going``, is raised: None is returned)."""
+    def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None, window: int = 0) -> Any:
+        """``run()`` with recording paused; an error stops the probe from ``window`` (0: the
+        window this ``step()`` checks) on (and, unless ``keep_going``, is raised: None is
+        returned)."""
         self._capture.paused = True
         try:
             return run()
         except Exception as error:
-            self._gave_up(error, optimizer)
+            self._gave_up(error, optimizer, window)
             return None
         except BaseException as error:
             self.failed = error
@@ -326,12 +336,7 @@ class Probe:
         if why is None:
             self._last = reader
             return reader
-        self._problems.append(
-            f"unsupported: {why}; the probe reads the gradient the optimizer applies "
-            "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
-            "Trainer, TRL, Lightning, Accelerate; DeepSpeed ZeRO 0-3 with or without "
-            "offload; FSDP2 and HSDP; tensor parallelism, alone or under FSDP2/HSDP)"
-        )
+        self._problems.append(unsupported(why))
         self._open = None
         self._finish(optimizer)
         return None
