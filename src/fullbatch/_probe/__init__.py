@@ -43,6 +43,7 @@ One job per module:
 
 - ``_run``: :func:`probe` and its context manager (hooks in, windows checked, hooks out);
   ``_args``: its arguments checked (windows, the optimizer in its wrapper, ``coupled``);
+  ``_failures``: what kept it from checking, each text naming windows as the report does;
 - ``_hooks``: the probe's optimizer hooks, all removed right after the last probed step, and
   forward hooks that never split a compiled graph;
 - ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state),

@@ -31,26 +31,22 @@ def gave_up(error: BaseException, window: int, keep_going: bool) -> str:
     )
 
 
-def run_failed(text: str, window: int | None) -> str:
-    """The failure line of a run that ended with an error in the report's ``window`` (None:
-    after the probe stopped checking).
+def run_failed(text: str, where: str) -> str:
+    """The failure line of a run that ended with an error ``where`` (``"in window 2"``, ``"after
+    window 1's step"``, ``"after the probed windows"``); where ``text`` names another window
+    (fullbatch's own messages count from 0), the line says how the two count.
 
-    >>> run_failed("the script raised KeyError: 'x'", 2)
-    "the script raised KeyError: 'x' (in window 2)"
-    >>> print(run_failed("ValueError: ... in window 0 is multiplied", 1))
+    >>> run_failed("the script raised KeyError: 'a bug in window 2'", "in window 2")
+    "the script raised KeyError: 'a bug in window 2' (in window 2)"
+    >>> print(run_failed("RuntimeError: step() on window 0, ...", "after window 1's step"))
     ... # doctest: +NORMALIZE_WHITESPACE
-    ValueError: ... in window 0 is multiplied (in window 1 of this report, which counts from 1
-    where fullbatch's own messages count windows from 0)
+    RuntimeError: step() on window 0, ... (after window 1's step; this report counts windows
+    from 1, fullbatch's own messages from 0)
     """
-    if window is None:
-        return f"{text} (after the probed windows)"
-    named = {int(n) for n in _NAMES_A_WINDOW.findall(text)}
-    if named and named != {window}:
-        return (
-            f"{text} (in window {window} of this report, which counts from 1 where fullbatch's "
-            "own messages count windows from 0)"
-        )
-    return f"{text} (in window {window})"
+    named = set(_NAMES_A_WINDOW.findall(text))
+    if named and named != set(_NAMES_A_WINDOW.findall(where)):
+        where += "; this report counts windows from 1, fullbatch's own messages from 0"
+    return f"{text} ({where})"
 
 
 def unsupported(why: str) -> str:

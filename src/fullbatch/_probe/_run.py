@@ -144,14 +144,16 @@ class Probe:
         """Say in the report what ended the run with an error (``fullbatch probe``: the
         script's exception or exit status), and in which of the report's windows."""
         if not self.failure:
-            self.failure = run_failed(text, None if self._done else self._window_now())
+            self.failure = run_failed(text, self._where())
 
-    def _window_now(self) -> int:
-        """The report's number of the window the run is in: the one being recorded, or the
-        open one where nothing was recorded since it began (between its optimizers)."""
-        if self._open is not None and not self._capture.calls:
-            return self._windows
-        return self._windows + 1
+    def _where(self) -> str:
+        """Where the run is, in the report's numbering: in the window being recorded, or right
+        after the last window's ``step()`` (nothing recorded since)."""
+        if self._done:
+            return "after the probed windows" if self.failed is None else "after the probe stopped"
+        if self._windows and not self._capture.calls:
+            return f"after window {self._windows}'s step"
+        return f"in window {self._windows + 1}"
 
     def _unchecked(self) -> int:
         """The first window a failure now leaves unreported: the open one, else the next."""
