@@ -19,7 +19,10 @@ couples the rows of a micro-batch.
 
   Forwards of one iteration that each reach their own ``backward()`` stay apart under rule 2
   (each backward is a separate loss), as does a loop that keeps every micro-batch's loss for
-  one ``backward()`` at the window's end (its earlier inputs are no longer bound).
+  one ``backward()`` at the window's end (its earlier inputs are no longer bound). "Bound"
+  counts a variable and the items of a tuple, list or mapping variable of at most 8 items, so
+  a loop over such a short list of bare input tensors with one ``backward()`` per window reads
+  as one loop value (``fn`` then receives the tuple, and says so if it cannot take it).
 - **A coupled loss.** The probe's reference is ``Σ_k ∇ fn(micro_k) / Σ_k count_k``: it is the
   full batch's only when ``fn`` sums per-item terms. :func:`coupling` evaluates ``fn`` on two
   micro-batches apart and together (no gradient, RNG forked, the module in eval mode and put
