@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from _cli_scripts import probe as probe_cli
 
 import fullbatch as fb
+from fullbatch._probe._plot import check_matplotlib, plot_report
 
 SIZES = (3, 5, 4, 6)  # the loop's iterations: the micro-batches a report must count
 
@@ -229,6 +230,9 @@ def test_window_run_coupled_is_right_when_declared(folder: Path) -> None:
     assert check.micro_batches == 4 and check.count == 18  # micro_batch_size=5 over 18 rows
     assert "declared coupled objective (info_nce) over the whole window" in check.diagnosis
     assert check.error <= check.tolerance and abs(check.factor - 1) < 1e-5
+    if check_matplotlib() is None:  # --plot: the factor alone where no weight per micro-batch
+        plot_report(probe.report, str(folder / "probe.png"))
+        assert (folder / "probe.png").stat().st_size > 0
 
 
 def test_one_backward_for_the_whole_window_keeps_its_micro_batches_apart() -> None:

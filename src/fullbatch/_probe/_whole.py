@@ -10,6 +10,8 @@ measured like every window's (:mod:`fullbatch._probe._reference`): the whole dif
 again with its loss scaled and its rows reversed. The per-micro-batch reference is kept beside
 it: a step that equals it (each micro-batch's own InfoNCE) is named by the judge
 (:mod:`fullbatch._probe._judge_coupled`) as a coupled loss taken per micro-batch.
+What it costs beyond a window's check: one forward and backward over the whole window (and
+the band's second one), and a second gradient-sized buffer while the reference is built.
 
 Refused by name, never judged (pattern ``"coupled loss"``): several processes or an engine
 other than ``.grad`` (the whole window's forward would run on one rank, outside the engine's
