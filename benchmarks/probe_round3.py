@@ -39,6 +39,7 @@ RIGHT_WITHIN = 1e-5
 KNOWN = (
     "scaled clip", "clip differs", "coupled loss", "dropped", "mean of per-micro-batch means",
     "not normalized", "right", "loss differs", "other", "nothing to check",
+    "coupled loss taken per micro-batch",
 )  # fmt: skip
 
 
@@ -137,8 +138,14 @@ ROWS = [
     Row("InfoNCE, encoder on q and k, pair kept in one variable",
         ["python", "contrastive.py"], ["--objective", "contrastive.py:info_nce"],
         note=_line("cannot judge")),
-    Row("InfoNCE, `for q, k in loader` (pair unpacked)", ["python", "contrastive.py", "--unpacked"],
-        ["--objective", "contrastive.py:info_nce"]),
+    Row("InfoNCE, `for step, (q, k) in enumerate(...)` (pair unpacked)",
+        ["python", "contrastive.py", "--unpacked"], ["--objective", "contrastive.py:info_nce"],
+        note=_line("micro-batches, ")),
+    Row("InfoNCE, pair unpacked, declared --coupled", ["python", "contrastive.py", "--unpacked"],
+        ["--objective", "contrastive.py:info_nce", "--coupled"], note=_line("weighted 1.00")),
+    Row("InfoNCE through window.run_coupled (GradCache), declared --coupled",
+        ["python", "contrastive.py", "--gradcache"],
+        ["--objective", "contrastive.py:info_nce", "--coupled"], note=_line("micro-batches, ")),
     Row("per-micro-batch means, 2 of 4 micro-batches dropped (0.17.0's weights)",
         ["python", "dropped_means.py"], ["--objective", "sample"], note=_line("weights:")),
     Row("a micro-batch with 0 counted items", ["python", "no_items.py"],

@@ -143,14 +143,18 @@ def test_mode_strings_are_literal_types() -> None:
 
 def test_probe_signature() -> None:
     """DESIGN.md parts 4-5: fb.probe(model=None, optimizer=None, *, objective, windows, ranks);
-    windows=None checks the first two windows (part 5)."""
+    windows=None checks the first two windows (part 5). ``coupled=False`` (issue 40: a
+    callable objective declared coupled) comes after them, keyword-only, so every call of the
+    contract's spelling means what it did."""
     sig = inspect.signature(fb.probe)
-    assert list(sig.parameters) == ["model", "optimizer", "objective", "windows", "ranks"]
+    assert list(sig.parameters) == [
+        "model", "optimizer", "objective", "windows", "ranks", "coupled",
+    ]  # fmt: skip
     kinds = [p.kind for p in sig.parameters.values()]
-    assert kinds[2:] == [inspect.Parameter.KEYWORD_ONLY] * 3
+    assert kinds[2:] == [inspect.Parameter.KEYWORD_ONLY] * 4
     defaults = {n: p.default for n, p in sig.parameters.items()}
     assert defaults == {"model": None, "optimizer": None, "objective": None, "windows": None,
-                        "ranks": None}  # fmt: skip
+                        "ranks": None, "coupled": False}  # fmt: skip
 
 
 def test_step_stats_is_a_frozen_dataclass_with_the_documented_fields() -> None:

@@ -42,6 +42,8 @@ publishes its clip), never from class names or another module's local variables.
 One job per module:
 
 - ``_run``: :func:`probe` and its context manager (hooks in, windows checked, hooks out);
+  ``_args``: its arguments checked (windows, the optimizer in its wrapper, ``coupled``);
+  ``_failures``: what kept it from checking, each text naming windows as the report does;
 - ``_hooks``: the probe's optimizer hooks, all removed right after the last probed step, and
   forward hooks that never split a compiled graph;
 - ``_capture``: forward hooks that record each micro-batch (inputs, RNG and autocast state),
@@ -63,8 +65,12 @@ One job per module:
   the weights; ``_judge``: right or wrong, the pattern, the sentence; ``_judge_step``: its rule
   for the rest of the step (a clip on scaled gradients, a configured clip against the applied
   one); ``_fixes``: the fix;
-- ``_coupled``: forwards of one loop value as one micro-batch of a callable objective, and a
-  loss that couples a micro-batch's rows named instead of judged;
+- ``_coupled``: forwards of one loop iteration as one micro-batch of a callable objective
+  (one loop value, or its items unpacked: ``for q, k in loader``), and an undeclared loss that
+  couples a micro-batch's rows named instead of judged; ``_whole``: a declared coupled
+  objective's reference, the objective over the whole window's rows as one batch;
+  ``_judge_coupled``: the judge's rule for such a window (right, or ``"coupled loss taken per
+  micro-batch"``);
 - ``_trainer_objective``: the objective of the trainer that runs (``ExactTrainer``'s
   ``loss=``, TRL's ``SFTTrainer``), or a refusal before anything trains where it is no
   built-in one (TRL's DPO, KTO, ORPO, GRPO, ...);

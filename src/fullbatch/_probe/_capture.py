@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from fullbatch._base._deepspeed import is_deepspeed_engine
 from fullbatch._base._rng import RngState
 from fullbatch._base._sync._probe import is_ddp
-from fullbatch._probe._frames import find_labels, find_micro
+from fullbatch._probe._frames import find_labels, find_micro, held_together
 from fullbatch._probe._hooks import eager_hook
 
 __all__ = ["Call", "Capture", "Reach", "autocast_state", "micro_batches"]
@@ -57,12 +57,14 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
 
 class Reach:
     """Whether a backward ran through a call's output: ``yes`` is set by pre-hooks on the
-    ``grad_fn`` of its output tensors (see the module docstring)."""
+    ``grad_fn`` of its output tensors (see the module docstring); ``task``: autograd's id of
+    the first backward that did (two forwards one ``backward()`` ran through share it)."""
 
-    __slots__ = ("handles", "yes")
+    __slots__ = ("handles", "task", "yes")
 
     def __init__(self) -> None:
         self.yes = False
+        self.task: int | None = None
         self.handles: list[RemovableHandle] = []
 
     def watch(self, output: Any) -> None:
@@ -77,6 +79,8 @@ class Reach:
         self.handles = [node.register_prehook(self._reached) for node in nodes.values()]
 
     def _reached(self, grad_outputs: Any) -> None:
+        if not self.yes:
+            self.task = int(torch._C._current_graph_task_id())
         self.yes = True  # returns None: the gradient flows on unchanged
 
     def release(self) -> None:
@@ -128,6 +132,9 @@ class Call:
             engine unpacked ``(inputs, targets)`` (Super-Gradients, ``for x, y in loader``);
             the built-in objectives use it when neither the call nor ``micro`` has labels.
         reach: whether a backward ran through the call's output (see :func:`micro_batches`).
+        with_previous: the previous call's inputs were still bound beside this call's in the
+            loop's frame, no loop value holding either (``for q, k in loader``: ``model(k)``
+            runs beside ``q``); :func:`fullbatch._probe._coupled.one_per_micro` reads it.
         early: its gradient taken at its forward (:class:`fullbatch._probe._early.Taken`),
             or None: replayed at ``step()``.
     """
@@ -141,6 +148,7 @@ class Call:
     micro: Any = None
     targets: torch.Tensor | None = None
     reach: Reach = field(default_factory=Reach)
+    with_previous: bool = False
     early: Any = None
 
     def labels(self) -> tuple[torch.Tensor | None, bool]:
@@ -162,11 +170,14 @@ class Call:
         inputs as a dict)."""
         if self.micro is not None:
             return self.micro
-        if len(self.args) == 1 and not self.kwargs:
-            inputs = self.args[0]
-        else:
-            inputs = dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
+        inputs = self.inputs()
         return inputs if self.targets is None else (inputs, self.targets)
+
+    def inputs(self) -> Any:
+        """What the model received: its one positional input, or its inputs as a dict."""
+        if len(self.args) == 1 and not self.kwargs:
+            return self.args[0]
+        return dict(self.kwargs) if not self.args else {"args": self.args, **self.kwargs}
 
 
 def _wrapper_kind(module: nn.Module) -> str | None:
@@ -214,6 +225,10 @@ def _tensor_ids(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> set[int]:
         if isinstance(value, Mapping):
             ids.update(id(v) for v in value.values() if isinstance(v, torch.Tensor))
     return ids
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _copied(value: Any) -> Any:
@@ -359,6 +374,10 @@ class Capture:
             micro=_copied(micro),
             targets=targets,
         )
+        last = self.calls[-1] if self.calls else None
+        if last is not None and last.module is module and last.micro is None and micro is None:
+            before = {id(v) for v in (*last.args, *last.kwargs.values()) if _is_tensor(v)}
+            call.with_previous = bool(before) and held_together(ids, before)
         self.calls.append(call)
         if self.on_call is not None:
             self.on_call(call, output)  # first: its autograd.grad must not look like a backward

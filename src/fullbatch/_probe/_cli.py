@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "head",
     )
     parser.add_argument(
+        "--coupled",
+        action="store_true",
+        help="the --objective FN couples rows (in-batch negatives): compare each step with FN "
+        "over the whole window's rows as one batch, as window.run_coupled makes it",
+    )
+    parser.add_argument(
         "--windows",
         type=windows_arg,
         default=None,
@@ -316,6 +322,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         kind, name, script_args = target(list(args.training_command))
         objective = _objective(args.objective)
+        if getattr(args, "coupled", False) and not callable(objective):
+            raise UsageError(
+                f"--coupled declares that --objective FILE.py:FN couples rows, got --objective "
+                f"{args.objective}; e.g. --objective losses.py:info_nce --coupled"
+            )
         writers = _writers(args)
     except (CommandError, UsageError) as error:
         return _fail(str(error))
@@ -324,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
     probe = Probe(
         None, None, objective=objective, windows=args.windows, ranks=None,
         stop=not args.keep_training, keep_going=args.keep_training,
+        coupled=getattr(args, "coupled", False),
     )  # fmt: skip
     status, raised = None, None
     with probe:

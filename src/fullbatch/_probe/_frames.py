@@ -6,7 +6,9 @@ loss outside the model). The micro-batch they came from is still a local variabl
 above the forward (``inputs``, ``batch``, ``micro``); :func:`find_micro` picks the one that holds
 the very tensors the model received; :func:`find_labels` the ``labels``/``targets`` tensor
 beside the model's input where the engine unpacked ``(inputs, targets)``, never one whose rows
-are not the input's (a whole data set's). Nothing is written to any frame.
+are not the input's (a whole data set's); :func:`held_together` whether two forwards' inputs
+are bound side by side in the loop's frame (``for q, k in loader``: one loop value unpacked).
+Nothing is written to any frame.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_labels", "find_micro"]
+__all__ = ["find_labels", "find_micro", "held_together"]
 
 _MICRO_NAMES = ("inputs", "batch", "micro", "micro_batch", "mb", "data")
 #: A label's name: ``labels``, ``target``, ``y``..., bare or with a batch mark (``b_``,
@@ -30,6 +32,9 @@ _LABEL_NAME = re.compile(
 )
 _DEPTH = 24
 _MAX_ITEMS = 256
+#: Items of a loop value at most (``(q, k)``, ``(anchor, positive, negative)``); a longer
+#: container is a list the loop appends to, not one iteration's value.
+_LOOP_ITEMS = 8
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -158,3 +163,42 @@ def _pick(found: Mapping[str, Any], rows: set[int]) -> torch.Tensor | None:
         if best is None or rank < best[0]:
             best = (rank, value)
     return None if best is None else best[1]
+
+
+def _bound(names: Mapping[str, Any]) -> set[int]:
+    """The ids of the objects a frame binds: its variables, and the items of a small tuple,
+    list or mapping among them (not a module's namespace)."""
+    out: set[int] = set()
+    for value in names.values():
+        out.add(id(value))
+        if isinstance(value, dict) and "__builtins__" in value:
+            continue
+        if isinstance(value, Mapping) and len(value) <= _LOOP_ITEMS:
+            out.update(id(v) for v in value.values())
+        elif isinstance(value, (list, tuple)) and len(value) <= _LOOP_ITEMS:
+            out.update(id(v) for v in value)
+    return out
+
+
+def held_together(ids: set[int], others: set[int]) -> bool:
+    """Whether the nearest frame above that binds one of ``ids`` (a forward's inputs) binds
+    every one of ``others`` (an earlier forward's inputs) too: the two forwards ran on one
+    loop value, unpacked (``for q, k in loader``, ``q, k = pair``), in one iteration. A loop
+    over micro-batches rebinds its variable, so an earlier iteration's input is no longer
+    bound there.
+
+    >>> import torch
+    >>> q, k = torch.ones(1), torch.zeros(1)
+    >>> held_together({id(k)}, {id(q)}), held_together({id(k)}, {id(torch.ones(1))})
+    (True, False)
+    """
+    frame: FrameType | None = sys._getframe(1)
+    looked = 0
+    while frame is not None and looked < _DEPTH:
+        if not _skipped(frame):
+            looked += 1
+            bound = _bound(frame.f_locals)
+            if bound & ids:
+                return others <= bound
+        frame = frame.f_back
+    return False

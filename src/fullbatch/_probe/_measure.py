@@ -19,6 +19,7 @@ import torch
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._fit import Fit, fit
 from fullbatch._probe._measured import NO_FIT, ClipMeasured, Measured, PartMeasured, StepAsked
+from fullbatch._probe._whole import whole_fit
 from fullbatch._probe._window import OpenWindow
 from fullbatch._proof._tolerance import tolerance, unit_roundoff
 
@@ -159,6 +160,10 @@ def close(open_window: OpenWindow) -> Measured:
                 for i, (part, mask) in enumerate(zip(w.parts, w.masks(), strict=True))
             )
 
+    per_micro = None
+    if w.whole is not None and result is not NO_FIT:  # a declared coupled objective
+        per_micro, parts = result, ()  # judged on the whole window's reference alone
+        band, tol, result = whole_fit(w.whole, total[0], k_total, raw_norm, eps)
     problem, pattern = _problem(w.objective, k_total, count, applied_norm, window.clips,
                                 window.no_backward)  # fmt: skip
     if problem is None and w.coupled is not None:
@@ -173,7 +178,7 @@ def close(open_window: OpenWindow) -> Measured:
         clip=None if last is None else (last.max_norm, last.total_norm),
         problem=problem, problem_pattern=pattern, parts=parts, no_backward=window.no_backward,
         clips=clips, asked=asked, units=w.units, clip_source=last.source if last else "",
-        objective_source=w.objective_source, refused=w.refused,
+        objective_source=w.objective_source, refused=w.refused, per_micro=per_micro,
     )  # fmt: skip
 
 

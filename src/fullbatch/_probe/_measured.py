@@ -109,6 +109,11 @@ class Measured:
         units: other units of the declared objective that the loss may count in, each
             ``(name, factor)``: a loss in that unit weighs every micro-batch ``factor`` (a
             mean over a regression row's outputs too: 1/outputs).
+        per_micro: a declared coupled objective's window (:mod:`fullbatch._probe._whole`):
+            ``error``, ``band`` and ``fit`` (its factor alone) are against the objective over
+            the whole window, and this is the applied gradient fitted on each micro-batch's
+            own gradient of it (weights 1.00: the loss was taken per micro-batch); None for
+            every other window.
     """
 
     step: int
@@ -135,3 +140,4 @@ class Measured:
     units: tuple[tuple[str, float], ...] = ()
     objective_source: str = ""
     refused: str | None = None
+    per_micro: Fit | None = None

@@ -52,7 +52,9 @@ def plot_report(report: Any, path: str) -> None:
         ax = fig.add_subplot(grid[0, i])
         weights, sigma = _finite(check.weights), _finite(check.precision)
         sigma += [math.nan] * (len(weights) - len(sigma))
-        ranks = [r for r, n in enumerate(check.ranks) for _ in range(n)] or [0] * len(weights)
+        ranks = [r for r, n in enumerate(check.ranks) for _ in range(n)]
+        if len(ranks) != len(weights):  # no weight per micro-batch (a coupled objective)
+            ranks = [0] * len(weights)
         x = list(range(1, len(weights) + 1))
         low = [1 - Z * s if math.isfinite(s) else math.nan for s in sigma]
         high = [1 + Z * s if math.isfinite(s) else math.nan for s in sigma]
@@ -66,6 +68,10 @@ def plot_report(report: Any, path: str) -> None:
                 fmt="o", markersize=4, capsize=2,
                 label=f"rank {rank}" if len(set(ranks)) > 1 else "weight",
             )  # fmt: skip
+        if not weights and math.isfinite(check.factor):  # one term: the factor alone
+            spread = check.factor_precision if math.isfinite(check.factor_precision) else 0.0
+            ax.errorbar([1], [check.factor], yerr=[Z * spread], fmt="s", markersize=4,
+                        capsize=2, label="factor on the whole window")  # fmt: skip
         widest = max((Z * s for s in sigma if math.isfinite(s)), default=math.nan)
         if math.isfinite(widest):  # often too narrow to see: said in numbers too
             ax.text(0.02, 0.02, f"band: 1 ± {widest:.1g} at most", transform=ax.transAxes,

@@ -22,7 +22,7 @@ from fullbatch._probe._call_loss import ObjectiveFn
 from fullbatch._probe._capture import Call
 from fullbatch._proof._reorder import reverse_rows
 
-__all__ = ["Grads", "grads_of", "replay", "reversed_call", "rows_of"]
+__all__ = ["Grads", "dropout_active", "grads_of", "replay", "reversed_call", "rows_of"]
 
 Grads = list[torch.Tensor | None]
 
@@ -41,7 +41,7 @@ def _replaying(call: Call) -> Iterator[None]:
         yield
 
 
-def _dropout_active(module: nn.Module) -> bool:
+def dropout_active(module: nn.Module) -> bool:
     for m in module.modules():
         if not m.training:
             continue
@@ -71,7 +71,7 @@ def reversed_call(call: Call) -> Call | None:
     """The call with its rows in reverse order, when that is the same math with other rounding."""
     parts = [*call.args, call.kwargs, call.micro, call.targets]
     rows = rows_of(parts)
-    if rows is None or rows < 2 or _dropout_active(call.module):
+    if rows is None or rows < 2 or dropout_active(call.module):
         return None
     return Call(
         module=call.module,

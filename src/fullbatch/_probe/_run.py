@@ -18,11 +18,19 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
+from fullbatch._probe._args import (
+    DEFAULT_WINDOWS,
+    ProbeFinished,
+    check_coupled,
+    inner_optimizer,
+    window_limit,
+)
 from fullbatch._probe._capture import Capture, micro_batches
 from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._coupled import one_per_micro
 from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
+from fullbatch._probe._failures import gave_up, run_failed, unsupported
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
@@ -33,53 +41,10 @@ from fullbatch._probe._verdicts import report_of
 from fullbatch._probe._window import OpenWindow, WindowData, trained
 from fullbatch._proof._objective import check_objective, infer_objective
 
+# DEFAULT_WINDOWS, ProbeFinished and window_limit live in _args; the command imports them here.
 __all__ = [
     "DEFAULT_WINDOWS", "ObjectiveUnknown", "Probe", "ProbeFinished", "probe", "window_limit",
 ]  # fmt: skip
-
-#: Windows checked by default: a gradient left over by a missing zero_grad() shows in the 2nd.
-DEFAULT_WINDOWS = 2
-
-
-class ProbeFinished(BaseException):
-    """Raised out of ``step()`` after the probed windows when the probe was asked to stop the
-    run (``fullbatch probe`` without ``--keep-training``); a BaseException so that a script's
-    ``except Exception`` does not swallow it."""
-
-
-def window_limit(windows: Any) -> int | None:
-    """How many windows to check: ``windows`` itself, :data:`DEFAULT_WINDOWS` for None, None
-    (every window) for ``"all"``.
-
-    >>> window_limit(None), window_limit(3), window_limit("all")
-    (2, 3, None)
-    """
-    if windows is None:
-        return DEFAULT_WINDOWS
-    if windows == "all":
-        return None
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
-        raise ValueError(
-            f"windows must be a positive int, None (the first {DEFAULT_WINDOWS}) or 'all' (every "
-            f"window until the block ends), got {windows!r}; e.g. windows=2 or windows='all'."
-        )
-    return windows
-
-
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's or Lightning's wrapper."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one), got "
-            f"{type(optimizer).__name__}; or leave it out: fb.probe() finds the optimizers that "
-            "step inside the block."
-        )
-    return optimizer
 
 
 class Probe:
@@ -95,6 +60,7 @@ class Probe:
         ranks: Any,
         stop: bool = False,
         keep_going: bool = False,
+        coupled: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module or None, got {type(model).__name__}.")
@@ -102,7 +68,8 @@ class Probe:
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
         objective = check_objective(objective)  # an earlier release's name: warned, renamed
-        self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
+        self.coupled = check_coupled(coupled, objective)
+        self.optimizer = None if optimizer is None else inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
         self.objective_source = "declared" if objective is not None else ""
         self.keep_going = keep_going  # a failure of the probe's own never stops the run
@@ -175,21 +142,31 @@ class Probe:
 
     def note_failure(self, text: str) -> None:
         """Say in the report what ended the run with an error (``fullbatch probe``: the
-        script's exception or exit status)."""
-        self.failure = self.failure or text
+        script's exception or exit status), and in which of the report's windows."""
+        if not self.failure:
+            self.failure = run_failed(text, self._where())
+
+    def _where(self) -> str:
+        """Where the run is, in the report's numbering: in the window being recorded, or right
+        after the last window's ``step()`` (nothing recorded since)."""
+        if self._done:
+            return "after the probed windows" if self.failed is None else "after the probe stopped"
+        if self._windows and not self._capture.calls:
+            return f"after window {self._windows}'s step"
+        return f"in window {self._windows + 1}"
+
+    def _unchecked(self) -> int:
+        """The first window a failure now leaves unreported: the open one, else the next."""
+        return self._open.window.step if self._open is not None else self._windows + 1
 
     def _gave_up(
         self, error: Exception, optimizer: torch.optim.Optimizer | None, window: int = 0
     ) -> None:
-        """The probe's own check failed: say so in the report and stop probing; with
-        ``keep_going`` the run goes on, else ``error`` is raised (out of the hook or step)."""
+        """The probe's own check failed in ``window`` (0: the window being checked at this
+        ``step()``): say so in the report and stop probing; with ``keep_going`` the run goes
+        on, else ``error`` is raised (out of the hook or step)."""
         self.failed = error
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        self._problems.append(
-            f"not checked from window {window or self._windows or 1} on: the probe failed "
-            f"({type(error).__name__}: {first}); "
-            + ("the run went on without it" if self.keep_going else "the run was stopped")
-        )
+        self._problems.append(gave_up(error, window or self._windows, self.keep_going))
         self._open = None
         self._finish(optimizer)
         if not self.keep_going:
@@ -199,7 +176,7 @@ class Probe:
         """What a forward hook of the probe raised."""
         if error is self.failed:
             raise error
-        self._gave_up(error, None, self._windows + 1)
+        self._gave_up(error, None, self._unchecked())
 
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
@@ -213,7 +190,7 @@ class Probe:
         that runs, else inferred from the model, else fail now, before anything trained), and
         what gradient it already holds kept."""
         if self.objective is None and not self.objective_source:
-            self._paused(self._trainer_objective, None)
+            self._paused(self._trainer_objective, None, self._unchecked())
         self._infer(module)
         if self._done:
             return
@@ -250,7 +227,7 @@ class Probe:
             infer_objective(module)
         except ValueError as error:
             unknown = ObjectiveUnknown(str(error), type(module).__name__)
-            self._gave_up(unknown, None, self._windows + 1)
+            self._gave_up(unknown, None, self._unchecked())
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """Check the window now, or, when ``step`` got a closure (Lightning runs the window's
@@ -266,7 +243,7 @@ class Probe:
         except Exception as error:
             if error is self.failed or not self.keep_going:
                 raise
-            self._gave_up(error, optimizer)
+            self._gave_up(error, optimizer, self._unchecked())
 
     # -- windows -----------------------------------------------------------------------------
 
@@ -288,14 +265,15 @@ class Probe:
                 return
         self._guarded(lambda: self._begin(optimizer), optimizer)
 
-    def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-        """``run()`` with recording paused; an error stops the probe (and, unless
-        ``keep_going``, is raised: None is returned)."""
+    def _paused(self, run: Any, optimizer: torch.optim.Optimizer | None, window: int = 0) -> Any:
+        """``run()`` with recording paused; an error stops the probe from ``window`` (0: the
+        window this ``step()`` checks) on (and, unless ``keep_going``, is raised: None is
+        returned)."""
         self._capture.paused = True
         try:
             return run()
         except Exception as error:
-            self._gave_up(error, optimizer)
+            self._gave_up(error, optimizer, window)
             return None
         except BaseException as error:
             self.failed = error
@@ -325,6 +303,7 @@ class Probe:
         self._open = OpenWindow.start(
             window, reader, sampler_for=self.sampler_for, objective=self.objective,
             ranks=self.ranks, engine=find_engine(), objective_source=self.objective_source,
+            coupled=self.coupled,
         )  # fmt: skip
         self._open.read(optimizer, reader, self._clips_of(reader))
 
@@ -359,12 +338,7 @@ class Probe:
         if why is None:
             self._last = reader
             return reader
-        self._problems.append(
-            f"unsupported: {why}; the probe reads the gradient the optimizer applies "
-            "through one reader per engine (.grad: plain loops, DDP, the Hugging Face "
-            "Trainer, TRL, Lightning, Accelerate; DeepSpeed ZeRO 0-3 with or without "
-            "offload; FSDP2 and HSDP; tensor parallelism, alone or under FSDP2/HSDP)"
-        )
+        self._problems.append(unsupported(why))
         self._open = None
         self._finish(optimizer)
         return None
@@ -391,6 +365,7 @@ def probe(
     objective: Any = None,
     windows: int | str | None = None,
     ranks: Any = None,
+    coupled: bool = False,
 ) -> Probe:
     """Check that the code run inside the block accumulates gradients like the full batch.
 
@@ -417,6 +392,12 @@ def probe(
             every window until the block ends.
         ranks: None (inferred: a tensor-parallel model's data dims, FSDP2's mesh; the DDP
             wrapper's group; else the default group), ``"local"``, or a process group.
+        coupled: True declares that the callable ``objective`` couples rows (in-batch
+            negatives, a batch statistic): each window is then compared with ``fn`` over its
+            whole rows as one batch (its micro-batches concatenated, as
+            ``window.run_coupled`` defines the full batch), on one process with gradients in
+            ``.grad``; a per-micro-batch InfoNCE is wrong (``"coupled loss taken per
+            micro-batch"``). Undeclared, a coupled loss is named, not judged.
 
     Returns:
         a :class:`Probe`; after the block, ``probe.report`` (``.ok``, ``.windows``; its text
@@ -442,4 +423,6 @@ def probe(
     >>> probe.report.ok, probe.report.windows[0].pattern
     (False, 'mean of per-micro-batch means')
     """
-    return Probe(model, optimizer, objective=objective, windows=windows, ranks=ranks)
+    return Probe(
+        model, optimizer, objective=objective, windows=windows, ranks=ranks, coupled=coupled
+    )

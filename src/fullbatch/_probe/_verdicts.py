@@ -4,6 +4,7 @@ in the public shape (:class:`fullbatch._probe._report.WindowCheck`)."""
 from __future__ import annotations
 
 from fullbatch._probe._judge import judge
+from fullbatch._probe._judge_coupled import judge_coupled
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._report import OptimizerCheck, ProbeReport, WindowCheck
 
@@ -29,7 +30,7 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
     k_max = max((len(m.counts) for m in measured), default=0)
     checks = []
     for m in measured:
-        verdict = judge(m, k_max)
+        verdict = judge(m, k_max) if m.per_micro is None else judge_coupled(m, k_max)
         check = WindowCheck(
             step=m.step, ok=verdict.ok, error=m.error, band=m.band, tolerance=m.tolerance,
             micro_batches=len(m.counts), count=m.count, weights=m.fit.weights,

@@ -36,6 +36,7 @@ from fullbatch._probe._coupled import coupling
 from fullbatch._probe._engines import Engine
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
+from fullbatch._probe._whole import Whole, whole_window
 from fullbatch._proof._norms import squared
 from fullbatch._proof._objective import unwrapped
 
@@ -168,6 +169,7 @@ class OpenWindow:
     objective_source: str = ""
     refused: str | None = None  # why fullbatch's routes refuse the engine's configuration
     coupled: str | None = None  # why a callable objective cannot be judged per micro-batch
+    whole: Whole | None = None  # a declared coupled objective: its reference over the window
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -192,11 +194,13 @@ class OpenWindow:
         ranks: Any,
         engine: Engine,
         objective_source: str = "",
+        coupled: bool = False,
     ) -> OpenWindow:
         """Recompute the reference for the first optimizer's ``reader.params()`` (the model's
         parameters it steps, then the module's other trainable ones) over the window's
         micro-batches and sum it over the ranks; raises on every rank when the objective fails
-        on one of them."""
+        on one of them. ``coupled``: the callable objective is declared coupled: the reference
+        compared is its gradient over the whole window (:mod:`fullbatch._probe._whole`)."""
         candidates = reader.params()
         mine = window.calls_of(candidates)
         wrapper = next((c.wrapper for c in mine if c.wrapper is not None), None)
@@ -205,6 +209,10 @@ class OpenWindow:
         sampler = sampler_for(mine[0].module) if mine else None
         failure: BaseException | None = None
         rec: LocalReference | None = None
+        whole: Whole | None = None
+        # The coupling checks run the model again, on this rank alone: only where that fires no
+        # engine's collectives and changes no engine state (one process, gradients in .grad).
+        alone = sync.world == 1 and isinstance(reader, GradApplied)
         if mine:
             assert sampler is not None
             try:
@@ -213,11 +221,14 @@ class OpenWindow:
                     rec = recompute(
                         mine, candidates, sampler, fn, wrt=reader.wrt(), whole=reader.whole
                     )
+                    if coupled:
+                        whole = whole_window(mine, candidates, sampler, fn, name=name, alone=alone)
             except (ValueError, TypeError, RuntimeError) as raised:
                 failure = raised
         counts = rec.counts if rec is not None else []
+        total = whole.count if whole is not None and whole.rec is not None else sum(counts)
         header = torch.tensor(
-            [len(counts), sum(counts), sampler.size if sampler is not None else 0,
+            [len(counts), total, sampler.size if sampler is not None else 0,
              failure is not None, rec.band if rec is not None else 0.0,
              rec.band_count if rec is not None else 0.0],
             dtype=torch.float64,
@@ -230,17 +241,21 @@ class OpenWindow:
             raise RuntimeError(
                 f"fb.probe could not recompute the window on rank(s) {bad}; see there."
             )
-        ref = summed_over_ranks(rec, candidates, sync)  # Σ_rk ∇S_rk
+        compared = whole.rec if whole is not None and whole.rec is not None else rec
+        ref = summed_over_ranks(compared, candidates, sync)  # Σ_rk ∇S_rk
+        for done in {id(r): r for r in (rec, compared) if r is not None}.values():
+            done.ref = []  # held by ref alone now: freed as the optimizers read it
         modules = list({id(c.module): c.module for c in mine}.values())
         out = cls(window, engine, name, sync, sampler, candidates, list(ref), every, rec,
                   _names(modules))  # fmt: skip
         out._where = {id(p): i for i, p in enumerate(candidates)}
         out.objective_source = _source(objective, objective_source, mine)
         out.units = _units(name, mine)
-        # The coupling check runs the model again, on this rank alone: only where that fires no
-        # engine's collectives and changes no engine state (one process, gradients in .grad).
-        alone = sync.world == 1 and isinstance(reader, GradApplied)
-        out.coupled = coupling(objective, name, mine) if callable(objective) and alone else None
+        out.whole = whole if whole is not None and whole.rec is not None else None
+        if whole is not None:
+            out.coupled = whole.refusal
+        elif callable(objective) and alone:
+            out.coupled = coupling(objective, name, mine)
         if sampler is not None:
             out.applied = torch.zeros(sampler.size, dtype=torch.float64)
             out.divisor = torch.ones(sampler.size, dtype=torch.float64)
