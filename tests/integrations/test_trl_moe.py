@@ -13,6 +13,7 @@ and the step without the aux term 5% off, so the check sees the aux term. The lo
 from __future__ import annotations
 
 import copy
+import warnings
 import tempfile
 from typing import Any
 
@@ -123,3 +124,34 @@ def test_dpo_refuses_the_moe_aux_loss_naming_the_fix(tmp_path: Any) -> None:
             processing_class=char_tokenizer(),
         )
     assert "forward" not in vars(model)  # TRL's fused head was not patched on
+
+
+def test_grpo_warns_that_its_router_loss_is_per_micro_batch(tmp_path: Any) -> None:
+    """ExactGRPOTrainer keeps TRL's per-micro-batch router loss (tests/integrations/
+    test_trl_grpo.py checks that weighting): it says so at construction, naming the value and
+    the fix; with ``router_aux_loss_coef=0.0`` it says nothing."""
+    from trl import GRPOConfig
+
+    import _grpo_cases as grpo
+    from fullbatch.trl import ExactGRPOTrainer
+
+    def build(coef: float) -> Any:
+        args = GRPOConfig(
+            str(tmp_path), use_cpu=True, bf16=False, report_to=[], router_aux_loss_coef=coef,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        )  # fmt: skip
+        return ExactGRPOTrainer(
+            model=grpo.policy(0, True),
+            reward_funcs=grpo.reward,
+            args=args,
+            train_dataset=grpo.dataset(),
+            processing_class=grpo.tokenizer(),
+        )
+
+    with pytest.warns(UserWarning, match=r"router_aux_loss_coef=0\.1\) per micro-batch"):
+        build(0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build(0.0)
+    assert not trainer.aux_loss_enabled
+    assert not [w for w in caught if "router_aux_loss_coef" in str(w.message)]
