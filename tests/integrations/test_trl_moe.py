@@ -13,8 +13,8 @@ and the step without the aux term 5% off, so the check sees the aux term. The lo
 from __future__ import annotations
 
 import copy
-import warnings
 import tempfile
+import warnings
 from typing import Any
 
 import pytest
