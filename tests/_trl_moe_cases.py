@@ -97,3 +97,36 @@ def sft_rank(rank: int, world: int, family: str, lengths: Sequence[int]) -> dict
     assert trainer.accelerator.num_processes == world
     aux = [h["aux_loss"] for h in trainer.state.log_history if "aux_loss" in h]
     return {"update": got, "aux_loss": aux}
+
+
+def sft_trainer(trainer_cls: Any, out_dir: str, lengths: Sequence[int], k: int) -> Any:
+    """An untrained ``trainer_cls`` on a tiny Mixtral over :func:`moe_rows` ``(lengths)``, 2
+    rows per micro-batch, ``k`` per window (for ``fullbatch.hf.check_trainer``)."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from fullbatch._demo._trl_tiny import char_tokenizer
+
+    rows = moe_rows(lengths, seed=1)
+    data = Dataset.from_list(
+        [{k: v[i].tolist() for k, v in rows.items()} for i in range(len(lengths))]
+    )
+    args = SFTConfig(
+        out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=k,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer_cls(
+            model=make_moe("mixtral"),
+            args=args,
+            train_dataset=data,
+            data_collator=collate,
+            processing_class=char_tokenizer(),
+        )

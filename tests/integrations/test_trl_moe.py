@@ -155,3 +155,24 @@ def test_grpo_warns_that_its_router_loss_is_per_micro_batch(tmp_path: Any) -> No
         trainer = build(0.0)
     assert not trainer.aux_loss_enabled
     assert not [w for w in caught if "router_aux_loss_coef" in str(w.message)]
+
+
+def test_check_trainer_judges_the_moe_aux_loss(tmp_path: Any) -> None:
+    """``fullbatch.hf.check_trainer`` on a MoE trainer: its full batch includes the whole
+    window's load-balancing loss, and its rounding band pads the micro-batches without filler
+    rows (a filler row would be routed and move the aux loss by 4%, which once let the stock
+    trainer pass): ExactSFTTrainer passes, the stock SFTTrainer fails, naming the aux loss."""
+    from trl import SFTTrainer
+
+    import fullbatch.hf as fbhf
+    from _trl_moe_cases import sft_trainer
+    from fullbatch.trl import ExactSFTTrainer
+
+    lengths = (7, 3, 5, 7, 2, 6)
+    exact = fbhf.check_trainer(sft_trainer(ExactSFTTrainer, str(tmp_path), lengths, 3))
+    assert exact.passed and exact.band < 1e-6, exact
+    assert any("load-balancing" in n for n in exact.notes), exact.notes
+    stock = fbhf.check_trainer(sft_trainer(SFTTrainer, str(tmp_path), lengths, 3))
+    assert not stock.passed and stock.band < 1e-6, stock
+    assert stock.accumulated.global_rel_error > 1e-2, stock
+    assert "MoE load-balancing loss is each micro-batch's" in stock.reason, stock.reason
