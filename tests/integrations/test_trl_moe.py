@@ -5,10 +5,10 @@ here in plain float64 PyTorch; the stock ``trl.SFTTrainer`` adds each micro-batc
 term and is measurably off. ``ExactDPOTrainer`` refuses an enabled aux loss, naming the fix.
 
 The models are float64, but TRL's fused LM head accumulates its logits in float32: TRL's own
-full batch (``SFTTrainer``, the 7 rows in one micro-batch) is 1.2e-7 off the float64 reference
-(measured, Mixtral and OLMoE), so steps are held to ``TOL`` = 1e-6; the stock step is 4% off
-and the step without the aux term 5% off, so the check sees the aux term. The logged
-``aux_loss`` (no float32 inside) is held to 1e-9."""
+full batch (``SFTTrainer``, all rows in one micro-batch) is about 1e-7 off the float64
+reference (``benchmarks/moe_trainers.py``), so steps are held to ``TOL`` = 1e-6; the stock step
+and the step without the aux term are percents off there, so the check sees the aux term. The
+logged ``aux_loss`` (no float32 inside) is held to 1e-9."""
 
 from __future__ import annotations
 
@@ -176,3 +176,45 @@ def test_check_trainer_judges_the_moe_aux_loss(tmp_path: Any) -> None:
     assert not stock.passed and stock.band < 1e-6, stock
     assert stock.accumulated.global_rel_error > 1e-2, stock
     assert "MoE load-balancing loss is each micro-batch's" in stock.reason, stock.reason
+
+
+def _mixtral100() -> Any:
+    """A tiny float64 Mixtral with the character tokenizer's vocabulary (100 ids)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.25, max_position_embeddings=64,
+        experts_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config).double()
+
+
+@pytest.mark.parametrize("options", [{}, {"packing": True, "max_length": 24}])
+def test_trl_data_pipeline_on_moe(tmp_path: Any, options: dict[str, Any]) -> None:
+    """TRL's own pipeline (prompt-completion rows it tokenizes, completion-only loss; and BFD
+    packing, padding-free: no attention_mask, every packed token routed): check_trainer holds
+    ExactSFTTrainer's window to the full batch, aux loss included, and fails the stock one."""
+    from trl import SFTTrainer
+
+    import fullbatch.hf as fbhf
+    from _trl_cases import config, dataset
+    from fullbatch._demo._trl_tiny import char_tokenizer
+    from fullbatch.trl import ExactSFTTrainer
+
+    for cls, passes in ((ExactSFTTrainer, True), (SFTTrainer, False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = cls(
+                model=_mixtral100(),
+                args=config(str(tmp_path), k=2, batch=2, **options),
+                train_dataset=dataset("prompt", 8),
+                processing_class=char_tokenizer(),
+            )
+            check = fbhf.check_trainer(trainer)
+        assert trainer.aux_loss_enabled and check.band < 1e-6, check
+        assert check.passed is passes, check
+        if not passes:
+            assert check.accumulated.global_rel_error > 1e-3, check
