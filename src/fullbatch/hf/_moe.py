@@ -9,6 +9,8 @@ reduction, and each micro-batch's loss sum gains ``N · coef · load_balancing(i
 logits, the window's counts)``; divided by ``N`` at the window's close, the step is the full
 batch's (docs/moe.md, "Hugging Face Trainer"). The model's own loss is never used
 (``ExactTrainer`` withholds the labels), so its per-micro-batch aux term is not added twice.
+``fullbatch.trl.ExactSFTTrainer`` uses the same pre-pass; TRL's fused LM head returns no router
+logits, so :func:`router_logits_of` reads them off the backbone with a forward hook.
 """
 
 from __future__ import annotations
