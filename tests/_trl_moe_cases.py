@@ -30,11 +30,13 @@ def sft_step(
     lengths: Sequence[int],
     k: int,
     batch: int = 2,
+    quiet: bool = True,
     **kw: Any,
 ) -> tuple[list[torch.Tensor], Any]:
     """One step of ``trainer_cls`` (``trl.SFTTrainer`` or ``ExactSFTTrainer``) over
     :func:`moe_rows` ``(lengths, seed=1)``, ``batch`` rows per micro-batch, ``k`` micro-batches
-    per window on each rank (the last may hold fewer); the applied gradient and the trainer."""
+    per window on each rank (the last may hold fewer); the applied gradient and the trainer.
+    ``quiet``: warnings raised while it trains are dropped."""
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -65,7 +67,8 @@ def sft_step(
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if quiet:  # TRL's and transformers' notices; quiet=False lets fullbatch's through
+            warnings.simplefilter("ignore")
         trainer = trainer_cls(
             model=model,
             args=args,

@@ -218,3 +218,19 @@ def test_trl_data_pipeline_on_moe(tmp_path: Any, options: dict[str, Any]) -> Non
         assert check.passed is passes, check
         if not passes:
             assert check.accumulated.global_rel_error > 1e-3, check
+
+
+def test_exact_sft_moe_warns_when_the_counts_disagree(tmp_path: Any) -> None:
+    """The pre-pass weights the aux term by the targets it counts (``exact_count``); a fused
+    head that counts otherwise (prompt-learning PEFT's virtual tokens) would mis-weight it:
+    warned, naming both counts and the fix."""
+    from fullbatch.trl import ExactSFTTrainer
+
+    class OffByOne(ExactSFTTrainer):
+        def exact_count(self, inputs: dict[str, Any]) -> Any:
+            return super().exact_count(inputs) + 1
+
+    n = int((moe_rows(LENGTHS, seed=1)["labels"][:, 1:] != -100).sum())
+    counted = rf"pre-pass counted {n + 4} target tokens but the fused head {n}:"  # 4 micro-batches
+    with pytest.warns(UserWarning, match=counted):
+        sft_step(make_moe("mixtral"), OffByOne, str(tmp_path), LENGTHS, 4, quiet=False)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
+from fullbatch._base._warn import warn
 from fullbatch.hf._moe import router_logits_of
 from fullbatch.hf._trainer import ExactTrainer, target_count
 from fullbatch.trl._refuse import common
@@ -135,6 +136,15 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
 
     def exact_window_end(self, totals: list[float]) -> None:
         _, count, entropy, correct, tokens, *aux = totals
+        routing = self._fb_routing
+        if aux and routing is not None and routing.items != count:
+            warn(  # e.g. prompt-learning PEFT, whose fused head counts a virtual token per row
+                f"the window's routing pre-pass counted {routing.items:g} target tokens but the "
+                f"fused head {count:g}: the load-balancing term was weighted by "
+                f"{routing.items:g}/{count:g} of its share. Override exact_count(inputs) to "
+                "count what the fused head counts, or set router_aux_loss_coef=0.0.",
+                through=("transformers", "trl", "accelerate"),
+            )
         metrics = self._metrics["train"]
         if aux:  # the window's load-balancing loss (TRL logs each micro-batch's)
             metrics["aux_loss"].append(aux[0])
