@@ -160,17 +160,6 @@ def test_refused_before_the_model_changes() -> None:
     model = _refused("compute_loss_func", compute_loss_func=lambda *a, **k: 0)
     assert "forward" not in vars(model)  # TRL's fused head was not patched on
     _refused(r"label_smoothing_factor=0\.1", label_smoothing_factor=0.1)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    moe = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            "mixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-            num_experts_per_tok=1, vocab_size=100, router_aux_loss_coef=0.01,
-        )
-    )  # fmt: skip
-    moe = _refused("router_aux_loss_coef=0.01", model=moe)
-    assert "forward" not in vars(moe)
 
 
 def test_accepted_settings_do_not_warn() -> None:

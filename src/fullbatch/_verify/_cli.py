@@ -11,6 +11,7 @@ Examples::
     fullbatch verify --model mymodels:make_model --data prompts.txt --micro-batch-size 4 \\
         --batch-size 16 --dtype float64
     fullbatch verify --model ./my-checkpoint --data train.jsonl --pack --micro-batch-tokens 512
+    fullbatch verify --model ./my-moe-checkpoint --data train.jsonl --micro-batch-size 2 --moe
 
 Heavy imports (torch, transformers) happen inside :func:`run`, so ``fullbatch --help`` stays
 fast.
@@ -111,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="cut every example to its first N tokens (e.g. the model's context length)",
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a transformers MoE model (router_aux_loss_coef, num_experts_per_tok): measure "
+        "each way to accumulate its load-balancing loss against the full batch (exact with "
+        "window.stats, the running mean, per micro-batch) on a float64 copy, with the "
+        "model's own loss (docs/moe.md)",
     )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
 
@@ -222,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
             f"--micro-batch-size {args.micro_batch_size}, --pack {args.pack}, "
             f"--micro-batch-tokens {args.micro_batch_tokens}"
         )
+    if args.moe and (args.pack or args.autocast):
+        return _fail(
+            "--moe measures the load-balancing loss in float64 on padded micro-batches; drop "
+            f"--pack and --autocast (got --pack {args.pack}, --autocast {args.autocast})"
+        )
     dtype = getattr(torch, args.dtype) if args.dtype else None
     autocast = getattr(torch, args.autocast) if args.autocast else None
     try:
@@ -234,8 +248,19 @@ def run(args: argparse.Namespace) -> int:
             loss_fn = _guarded(default, prefix, "the model's forward")
         else:
             loss_fn = _guarded(loaded.loss_fn, prefix, "the model or its loss_fn")
+        if args.moe and loaded.loss_fn is not None:
+            raise InputError(
+                f"{prefix}: --moe checks the model's own loss, but the factory returned a "
+                "loss_fn; return the model alone"
+            )
         try:
-            if args.pack:
+            if args.moe:
+                from fullbatch._verify._moe import verify_moe  # verify(..., moe=True)'s body
+
+                report: Any = verify_moe(
+                    loaded.model, batch, micro_batch_size=args.micro_batch_size
+                )
+            elif args.pack:
                 report = verify(
                     loaded.model,
                     batch,
@@ -256,8 +281,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(str(error).rstrip(".")) from error
     except InputError as error:
         return _fail(str(error))
-    if notes:
+    if notes and not args.moe:
         both = (*report.notes, *notes)
         report = dataclasses.replace(report, notes=tuple(both) if args.pack else list(both))
     print(report)
+    if notes and args.moe:  # a MoE report has no notes of its own
+        print("\n".join(f"note: {n}" for n in notes))
     return 0 if report.passed else 1

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fullbatch._base._modelstate import disable_dropout
+from fullbatch._base._moe import moe_aux_of
 from fullbatch._proof._tolerance import BAND_CAP, tolerance
 from fullbatch._verify._arms import compare, grad_norm, relative
 from fullbatch._verify._isolate import Untouched, isolated_copy
@@ -125,7 +126,9 @@ def _fix(trainer: Any) -> str:
     return "use fullbatch.hf.ExactTrainer(..., loss=...) in place of the Trainer"
 
 
-def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, trainer: Any) -> str:
+def _diagnose(
+    arm: GradientComparison, ref_norm: float, k: int, tol: float, trainer: Any, routed: bool
+) -> str:
     name = type(trainer).__name__
     if not ref_norm > 0 or not arm.grad_norm > 0:
         return (
@@ -143,9 +146,15 @@ def _diagnose(arm: GradientComparison, ref_norm: float, k: int, tol: float, trai
             "loss is a mean that the Trainer does not divide by gradient_accumulation_steps (a "
             f"head that accepts **kwargs but ignores num_items_in_batch); {fix}"
         )
+    why = "micro-batches are not weighted by their item counts"
+    if routed:
+        why += (
+            ", or the MoE load-balancing loss is each micro-batch's, not the window's (a window "
+            "statistic taken per micro-batch: docs/moe.md)"
+        )
     return (
         f"the accumulated gradient is {_fmt(arm.global_rel_error)} off the full batch's "
-        f"(tolerance {tol:.2g}): micro-batches are not weighted by their item counts; {fix}"
+        f"(tolerance {tol:.2g}): {why}; {fix}"
     )
 
 
@@ -170,10 +179,12 @@ def _rows_and_collator(
     return [data[i] for i in range(needed)], collate
 
 
-def _widened(micro: list[Any], full: Any) -> list[Any] | None:
+def _widened(micro: list[Any], full: Any, routed: bool = False) -> list[Any] | None:
     """The micro-batches given the full batch's shape: right-padded to its width (masked
     positions, ``-100`` labels) and, unless the rows are coupled (DPO's ``[chosen; rejected]``
-    halves), filled up to its rows with copies of their first row whose labels are all ``-100``.
+    halves) or ``routed`` (an MoE model's load-balancing loss counts every unmasked token, so a
+    filler row would change it), filled up to its rows with copies of their first row whose
+    labels are all ``-100``.
     Mathematically the same window, so its distance to the plain window is rounding from the
     shapes alone (e.g. a float32 attention whose kernel changes with them). ``None`` when the
     batches are not padded token batches with an ``attention_mask``."""
@@ -181,7 +192,7 @@ def _widened(micro: list[Any], full: Any) -> list[Any] | None:
                for m in [*micro, full]):  # fmt: skip
         return None
     full_rows, width = full["attention_mask"].shape[0], full["attention_mask"].shape[-1]
-    coupled = "completion_mask" in full
+    coupled = "completion_mask" in full or routed
     out = []
     for m in micro:
         rows, n = m["attention_mask"].shape[0], m["attention_mask"].shape[-1]
@@ -297,9 +308,9 @@ def check_trainer(
     micro = [collate(data[i * size : (i + 1) * size]) for i in range(k)]
     full = [collate(data)]
     shuffled = [collate(data[1:] + data[:1])]  # the same rows, another order
-    widened = _widened(micro, full[0])  # the micro-batches shaped as the full batch
-
     user_model = trainer.accelerator.unwrap_model(trainer.model)
+    routed = moe_aux_of(user_model) is not None
+    widened = _widened(micro, full[0], routed)  # the micro-batches shaped as the full batch
     with Untouched(trainer, user_model), torch.random.fork_rng(devices=[]):
         model = isolated_copy(user_model).train()
         changed = disable_dropout(model).describe()
@@ -310,6 +321,12 @@ def check_trainer(
         del model
     notes = [f"dropout switched off on the copy ({len(changed)} modules or attributes)"]
     notes = notes if changed else []
+    if routed:
+        notes.append(
+            "the model adds a router load-balancing loss (router_aux_loss_coef): the full batch's "
+            "is the whole window's; the band's micro-batches are padded to the full batch's "
+            "width but not filled with rows (a filler row would be routed)"
+        )
     dtype = next(user_model.parameters()).dtype
     worst, worst_name, overall = compare(ref, got)
     ref_norm, got_norm = grad_norm(ref), grad_norm(got)
@@ -345,7 +362,7 @@ def check_trainer(
     passed = ref_norm > 0 and got_norm > 0 and _error(arm, tol) <= 1
     return TrainerCheck(
         passed=passed,
-        reason=_diagnose(arm, ref_norm, k, tol, trainer),
+        reason=_diagnose(arm, ref_norm, k, tol, trainer, routed),
         trainer=type(trainer).__name__,
         accumulated=arm,
         full_batch_loss=ref_loss,

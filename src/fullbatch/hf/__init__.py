@@ -22,7 +22,8 @@ MoE model with ``output_router_logits`` the load-balancing loss is the window's 
 Modules: ``_trainer`` (:class:`ExactTrainer`), ``_window`` (a Trainer window from
 ``get_batch_samples`` to its close), ``_deepspeed`` (the window under a DeepSpeed config),
 ``_settings`` (settings refused before training), ``_seq2seq`` (encoder-decoder heads),
-``_moe`` (an MoE model's load-balancing loss over the window: the routing pre-pass).
+``_moe`` (an MoE model's load-balancing loss over the window: the routing pre-pass, and the
+hook that reads router logits a fused head does not return).
 """
 
 from __future__ import annotations

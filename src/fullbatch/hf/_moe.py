@@ -9,11 +9,14 @@ reduction, and each micro-batch's loss sum gains ``N · coef · load_balancing(i
 logits, the window's counts)``; divided by ``N`` at the window's close, the step is the full
 batch's (docs/moe.md, "Hugging Face Trainer"). The model's own loss is never used
 (``ExactTrainer`` withholds the labels), so its per-micro-batch aux term is not added twice.
+``fullbatch.trl.ExactSFTTrainer`` uses the same pre-pass; TRL's fused LM head returns no router
+logits, so :func:`router_logits_of` reads them off the backbone with a forward hook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
 from fullbatch._base._rng import RngState
 
-__all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "window_routing"]
+__all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "router_logits_of", "window_routing"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,48 @@ class WindowRouting:
                 "the model returned no router_logits although its config has "
                 "output_router_logits=True; ExactTrainer needs them for the load-balancing loss."
             )
-        lb = load_balancing(logits, self.counts, attention_mask=inputs.get("attention_mask"))
+        return self.term_of(logits, inputs.get("attention_mask"))
+
+    def term_of(self, router_logits: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`term` from the router logits themselves (a forward that does not return
+        them: :func:`router_logits_of`)."""
+        lb = load_balancing(router_logits, self.counts, attention_mask=attention_mask)
         return lb * (self.items * self.aux.coef)
+
+
+def _backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers backbone a causal LM's forward calls (``base_model``; under PEFT, that
+    of the model PEFT wraps): its output carries ``router_logits``."""
+    unwrap = getattr(model, "get_base_model", None)
+    inner = unwrap() if callable(unwrap) else model
+    backbone = getattr(inner, "base_model", None)
+    if not isinstance(backbone, torch.nn.Module) or backbone is inner:
+        raise ValueError(
+            f"{type(inner).__name__} has no backbone module (base_model) whose output carries "
+            "router_logits; the window's load-balancing loss needs them. Set "
+            "router_aux_loss_coef=0.0 to train without it."
+        )
+    return backbone
+
+
+@contextmanager
+def router_logits_of(model: torch.nn.Module) -> Iterator[list[Any]]:
+    """The router logits of every forward of ``model``'s backbone inside the block (with their
+    gradient), for a forward that computes them but returns something else (TRL's fused LM
+    head returns per-token log-probabilities). A forward hook, removed on exit: the user's
+    model and its code are unchanged."""
+    seen: list[Any] = []
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        logits = getattr(output, "router_logits", None)
+        if logits is not None:
+            seen.append(logits)
+
+    handle = _backbone(model).register_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def window_routing(

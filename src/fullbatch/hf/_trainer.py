@@ -113,6 +113,9 @@ class ExactTrainer(Trainer):
     #: What this route is called, for ``fb.probe`` (a declaration: see
     #: ``fullbatch._probe._engines``).
     fullbatch_route = "fullbatch.hf.ExactTrainer"
+    #: True in a wing whose own ``exact_loss`` adds the window's load-balancing term
+    #: (``self._fb_routing``; fullbatch.trl's SFT trainer); other overrides are refused on MoE.
+    _fb_adds_router_aux = False
 
     def __init__(self, *args: Any, loss: str | LossFn | None = None, **kwargs: Any) -> None:
         overridden = type(self).exact_loss is not ExactTrainer.exact_loss
@@ -164,8 +167,8 @@ class ExactTrainer(Trainer):
                 f"{type(self).__name__} normalizes the loss itself and refuses tensor/context/"
                 "sequence parallelism: use plain data parallelism."
             )
-        if moe_aux_of(self.accelerator.unwrap_model(self.model)) is not None and (
-            type(self).exact_loss is not ExactTrainer.exact_loss
+        if moe_aux_of(self.accelerator.unwrap_model(self.model)) is not None and not (
+            type(self).exact_loss is ExactTrainer.exact_loss or self._fb_adds_router_aux
         ):
             raise ValueError(
                 f"{type(self).__name__} overrides exact_loss on a model with a router auxiliary "
@@ -209,7 +212,8 @@ class ExactTrainer(Trainer):
     def _items(self, inputs: dict[str, Any], outputs: Any) -> float:
         if callable(self.fb_loss):
             return float(self.fb_loss(outputs, inputs["labels"])[1])
-        assert isinstance(self.fb_loss, str)
+        if self.fb_loss is None:  # a wing with its own exact_loss counts before the forward
+            return float(self.exact_count(inputs))
         return target_count(inputs, self.fb_loss)
 
     def _counts_up_front(self) -> bool:

@@ -32,7 +32,7 @@ from fullbatch.hf._window import (
 )
 from fullbatch.trl._grpo_config import check_config
 from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
-from fullbatch.trl._refuse import reference
+from fullbatch.trl._refuse import moe_aux_kept, reference
 
 try:
     from trl import GRPOTrainer
@@ -77,6 +77,8 @@ class ExactGRPOTrainer(GRPOTrainer):
             what ``fullbatch.hf.ExactTrainer`` refuses (DataParallel, FSDP1, a DeepSpeed clip
             other than ``max_grad_norm``, ...); ``beta != 0`` with a model built from a config
             (TRL would reload the KL reference from its empty ``_name_or_path``).
+        UserWarning: at construction, an enabled MoE router aux loss: it keeps TRL's
+            per-micro-batch weighting, not the window's (docs/moe.md).
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
     Example (see tests/integrations/test_trl_grpo.py for a whole run on a tiny model)::
@@ -106,6 +108,8 @@ class ExactGRPOTrainer(GRPOTrainer):
                 "or beta=0.0 (no KL term, no reference model).",
             )
         super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            moe_aux_kept("ExactGRPOTrainer", self.router_aux_loss_coef)
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None
         self._fb_position = 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 
+from fullbatch._base._warn import warn
 from fullbatch.hf._settings import refuse_args
 
 
@@ -28,20 +29,25 @@ def refuse(trainer: str, settings: dict[str, str | None]) -> None:
             raise ValueError(f"{trainer} refuses {setting}: {why}")
 
 
-def common(trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Refuse what every fullbatch Trainer wing refuses and an enabled MoE router loss, from
-    the arguments of TRL's ``init``; those arguments by name."""
+def common(
+    trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict, *, router_aux: bool = False
+) -> dict[str, Any]:
+    """Refuse what every fullbatch Trainer wing refuses and, unless the trainer makes it the
+    window's (``router_aux``), an enabled MoE router loss, from the arguments of TRL's
+    ``init``; those arguments by name."""
     given = bind(init, args, kwargs)
     config = given.get("args")
     refuse_args(trainer, config, compute_loss_func=given.get("compute_loss_func"))
-    moe_aux(trainer, given.get("model"), getattr(config, "router_aux_loss_coef", None))
+    if not router_aux:
+        moe_aux(trainer, given.get("model"), getattr(config, "router_aux_loss_coef", None))
     return given
 
 
 def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
-    """Refuse an enabled MoE router auxiliary loss: it is a nonlinear function of the whole
-    batch's routing (fractions times mean probabilities), so no sum over micro-batches equals
-    the full batch's."""
+    """Refuse an enabled MoE router auxiliary loss in a trainer whose TRL loss adds it per
+    micro-batch: the load-balancing loss is a nonlinear function of the whole batch's routing
+    (fractions times mean probabilities), so that is a different objective from the full
+    batch's; ``ExactSFTTrainer`` and ``fullbatch.hf.ExactTrainer`` take it over the window."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
         return
@@ -52,10 +58,26 @@ def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
     if weight:
         raise ValueError(
             f"{trainer} refuses the MoE router auxiliary loss (router_aux_loss_coef={weight}): "
-            "the load-balancing loss multiplies the batch's expert fractions by its mean router "
-            "probabilities, so no sum over micro-batches equals the full batch's. Pass "
-            "router_aux_loss_coef=0.0 in the config to train without it."
+            "TRL adds each micro-batch's own load-balancing loss, which multiplies that "
+            "micro-batch's expert fractions by its mean router probabilities, a different "
+            "objective from the full batch's, and this trainer does not take it over the "
+            "window. Pass router_aux_loss_coef=0.0 in the config to train without it; "
+            "fullbatch.trl.ExactSFTTrainer and fullbatch.hf.ExactTrainer take it over the "
+            "window (docs/moe.md)."
         )
+
+
+def moe_aux_kept(trainer: str, coef: float) -> None:
+    """Warn that an enabled MoE router loss keeps TRL's per-micro-batch weighting (GRPO: the
+    mean over the window's micro-batches of each one's load-balancing loss), not the window's."""
+    warn(
+        f"{trainer} keeps TRL's MoE router auxiliary loss (router_aux_loss_coef={coef}) per "
+        "micro-batch: each micro-batch's load-balancing loss, averaged over the window, not the "
+        "load-balancing loss of the window's sequences, so that term differs from the full "
+        "batch's (the rest of the step is the window's). Pass router_aux_loss_coef=0.0 in the "
+        "config to train without it (docs/moe.md).",
+        through=("transformers", "trl"),
+    )
 
 
 def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:

@@ -8,6 +8,10 @@ TRL's fused LM head (the same per-token log-probabilities, entropies and top-1 h
 and :class:`fullbatch.hf.ExactTrainer`'s window normalization divides by the window's count
 over all micro-batches and DDP ranks. TRL's metrics (``entropy``, ``mean_token_accuracy``,
 ``num_tokens``) are summed over the window in the same all-reduce as the count.
+
+On a transformers MoE model (TRL's ``router_aux_loss_coef``), the load-balancing loss is the
+window's, as in ``ExactTrainer`` (one routing pre-pass: :mod:`fullbatch.hf._moe`); the fused
+head does not return the router logits, so a forward hook on the backbone reads them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
+from fullbatch._base._warn import warn
+from fullbatch.hf._moe import router_logits_of
 from fullbatch.hf._trainer import ExactTrainer, target_count
-from fullbatch.trl._refuse import common, moe_aux
+from fullbatch.trl._refuse import common
 from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactSFTTrainer"]
@@ -35,13 +41,15 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     (completion-only) and conversational (assistant-only) loss, packing (``"bfd"``,
     ``padding_free``; ``"wrapped"`` packs rows that attend to each other, as TRL documents),
     TRL's fused LM head and logged metrics (over the whole window), the logged loss (the
-    window's true loss).
+    window's true loss). On an MoE model with TRL's ``router_aux_loss_coef`` (the config's by
+    default), the step adds ``coef`` times the load-balancing loss of the whole window (all
+    micro-batches and ranks), the full batch's, not each micro-batch's (docs/moe.md); the
+    logged ``aux_loss`` is the window's.
 
     Raises:
         ValueError: before anything changes, settings that cannot be exact, each with the
-            reason: an enabled MoE router auxiliary loss and what
-            :class:`fullbatch.hf.ExactTrainer` refuses (``compute_loss_func``, a DeepSpeed
-            config that cannot be exact, FSDP1, LOMO, ...).
+            reason: what :class:`fullbatch.hf.ExactTrainer` refuses (``compute_loss_func``,
+            a DeepSpeed config that cannot be exact, FSDP1, LOMO, ...).
 
     Example (tiny Llama, character tokenizer; the check proves the step exact):
 
@@ -65,12 +73,11 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     #: What this route is called, for ``fb.probe`` (a declaration: see
     #: ``fullbatch._probe._engines``).
     fullbatch_route = "fullbatch.trl.ExactSFTTrainer"
+    _fb_adds_router_aux = True  # exact_loss adds the window's load-balancing term
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs)
+        common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs, router_aux=True)
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:  # a model loaded by name, now known
-            moe_aux("ExactSFTTrainer", self.model, self.router_aux_loss_coef)
         self._fb_stats: list[torch.Tensor] = []
 
     training_step = offloaded_training_step
@@ -83,7 +90,20 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
                 "collators build them. A custom data_collator must return 'labels' (-100 where "
                 "nothing is predicted)."
             )
-        outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
+        routing = self._fb_routing if model.training else None
+        if routing is None:
+            outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
+        else:  # the fused head returns no router logits: read them off the backbone
+            with router_logits_of(self.accelerator.unwrap_model(model)) as seen:
+                outputs = model(
+                    **{**inputs, "use_cache": False}, fused_lm_head=True, output_router_logits=True
+                )
+            if len(seen) != 1:
+                raise ValueError(
+                    f"the forward's backbone returned router_logits {len(seen)} times, expected "
+                    "once; ExactSFTTrainer needs them for the window's load-balancing loss. Set "
+                    "router_aux_loss_coef=0.0 to train without it."
+                )
         log_probs = outputs.log_probs  # zero on ignored positions
         per_token = -log_probs
         if getattr(self.args, "loss_type", "nll") == "dft":  # an SFTConfig's
@@ -97,7 +117,14 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
             raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
         entropy = outputs.entropy.detach().sum()
         self._fb_stats = [entropy, outputs.is_top1.sum(), tokens]
-        return per_token.sum(), mask.sum()
+        loss_sum = per_token.sum()
+        if routing is not None:
+            aux = routing.term_of(seen[0], inputs.get("attention_mask"))
+            loss_sum = loss_sum + aux.to(loss_sum.dtype)
+            # this micro-batch's share of the window's load-balancing loss, for the log
+            scale = routing.items * routing.aux.coef
+            self._fb_stats.append(aux.detach() / scale if scale else aux.detach())
+        return loss_sum, mask.sum()
 
     def exact_count(self, inputs: dict[str, Any]) -> Any:
         """What TRL's fused head counts, before the forward: the causal targets."""
@@ -108,8 +135,19 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
         return [s.detach().double().reshape(1).to(self.args.device) for s in stats]
 
     def exact_window_end(self, totals: list[float]) -> None:
-        _, count, entropy, correct, tokens = totals
+        _, count, entropy, correct, tokens, *aux = totals
+        routing = self._fb_routing
+        if aux and routing is not None and routing.items != count:
+            warn(  # e.g. prompt-learning PEFT, whose fused head counts a virtual token per row
+                f"the window's routing pre-pass counted {routing.items:g} target tokens but the "
+                f"fused head {count:g}: the load-balancing term was weighted by "
+                f"{routing.items:g}/{count:g} of its share. Override exact_count(inputs) to "
+                "count what the fused head counts, or set router_aux_loss_coef=0.0.",
+                through=("transformers", "trl", "accelerate"),
+            )
         metrics = self._metrics["train"]
+        if aux:  # the window's load-balancing loss (TRL logs each micro-batch's)
+            metrics["aux_loss"].append(aux[0])
         metrics["entropy"].append(entropy / count if count > 0 else 0.0)
         metrics["mean_token_accuracy"].append(correct / count if count > 0 else 0.0)
         self._total_train_tokens += int(tokens) // self._tp_size
