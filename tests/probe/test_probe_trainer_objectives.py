@@ -94,6 +94,7 @@ def test_stock_dpo_trainer_is_judged_under_dpo_and_right_when_it_is() -> None:
     assert check.objective == "dpo"
     assert check.objective_source == "DPOTrainer (loss_type=['sigmoid'], summed over pairs)"
     assert check.error < 1e-6
+    assert "steps will differ" not in check.diagnosis  # max_grad_norm=0 and inf: no clip
 
 
 def test_stock_dpo_trainer_over_uneven_pair_counts_is_wrong_and_named() -> None:
@@ -207,3 +208,47 @@ def test_cli_refuses_kto_before_the_first_optimizer_step(tmp_path: Path) -> None
     assert "--objective FILE.py:FN" in message
     assert "objective=fn" not in message and "objective=None" not in message  # CLI words
     assert "stopped at the model's first forward, before any step" in message
+
+
+def test_stock_sft_trainer_with_dft_is_judged_under_its_per_token_loss() -> None:
+    """``SFTConfig(loss_type="dft")``: ``-p log p`` (``p`` detached) per target token, summed
+    over the window's targets and divided by their count; the stock Trainer counts the window's
+    tokens on Llama, so its step is right."""
+    from transformers import TrainerCallback
+    from trl import SFTTrainer
+
+    from _trl_cases import config, dataset, documents
+
+    first: dict[str, Any] = {}
+
+    class Applied(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            first.setdefault("grads", [p.grad.clone() for p in kw["model"].parameters()])
+
+    model = tiny_causal_lm("llama")
+    start = copy.deepcopy(model)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer: Any = SFTTrainer(
+            model=model, args=config(tmp, k=K, batch=BATCH, max_steps=1, loss_type="dft"),
+            train_dataset=dataset("prompt", K * BATCH), processing_class=char_tokenizer(),
+            callbacks=[Applied()],
+        )  # fmt: skip
+        recording = Recording(trainer.data_collator)
+        trainer.data_collator = recording
+        with fb.probe(windows=1) as probe:
+            trainer.train()
+    docs = documents([r for micro in recording.seen[:K] for r in micro])
+    width = max(len(ids) for ids, _ in docs)
+    ids = torch.tensor([d + [0] * (width - len(d)) for d, _ in docs])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in docs])[:, 1:]
+    mask = torch.tensor([[1] * len(d) + [0] * (width - len(d)) for d, _ in docs])
+    logits = start(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+    kept = labels != -100
+    lp = F.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    ((-lp * lp.exp().detach())[kept].sum() / kept.sum()).backward()
+    error = _error(first["grads"], [p.grad for p in start.parameters()])
+    assert error < 1e-6  # the truth (the fused head rounds in float32): right
+    check = probe.report.windows[0]
+    assert probe.report.ok and check.objective == "sft_dft", str(probe.report)
+    assert check.objective_source == ("SFTTrainer (loss_type='dft', summed over the target tokens)")

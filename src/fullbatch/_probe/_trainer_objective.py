@@ -12,9 +12,10 @@ run (before any backward: nothing has moved yet), the engine found above it
   ``"causal_lm"``, the next-token mean over the labels its collator builds;
 - TRL's ``DPOTrainer`` (and ``fullbatch.trl.ExactDPOTrainer``): ``"dpo"``, TRL's own loss
   summed over the micro-batch's pairs (:mod:`fullbatch.trl._objective`, imported only then),
-  where its ``loss_type`` has that form;
+  where its ``loss_type`` has that form; ``SFTTrainer(loss_type="dft")``: ``"sft_dft"``, its
+  per-token loss summed over the targets;
 - TRL's other trainers (KTO, ORPO, GRPO, RLOO, reward, ...), DPO settings with no per-pair
-  sum, SFT's ``dft``, an ``ExactTrainer`` whose loss is a function, a Hugging Face ``Trainer``
+  sum, an ``ExactTrainer`` whose loss is a function, a Hugging Face ``Trainer``
   with ``compute_loss_func``, ``label_smoothing_factor`` or an overridden ``compute_loss``: the
   objective cannot be written as one the probe computes: :class:`Unknown` (``fullbatch
   probe`` exits 2 naming the trainer and how to declare it);
@@ -97,10 +98,14 @@ def _trl(cls: type, trainer: Any) -> tuple[Any, str] | None:
         return None
     config = getattr(trainer, "args", None)
     if _is_trl(cls, "SFTTrainer"):
+        _settings(cls, trainer)
         loss_type = getattr(config, "loss_type", "nll") or "nll"
         if loss_type == "nll":
             return "causal_lm", f"{cls.__name__} (loss_type='nll': the next-token mean)"
-        raise _declare(cls.__name__, f"SFTConfig(loss_type={loss_type!r}) is no built-in")
+        from fullbatch.trl._objective import sft_objective
+
+        fn, what = sft_objective(trainer)
+        return fn, f"{cls.__name__} ({what})"
     if _is_trl(cls, "DPOTrainer"):
         return _dpo(trainer, cls.__name__)
     loss = getattr(config, "loss_type", None)
@@ -120,6 +125,12 @@ def _hf(cls: type, trainer: Any) -> tuple[str, str] | None:
     owner = next((c for c in cls.__mro__ if "compute_loss" in c.__dict__), base)
     if owner is not base:
         raise _declare(cls.__name__, f"{owner.__name__} overrides compute_loss")
+    _settings(cls, trainer)
+    return None
+
+
+def _settings(cls: type, trainer: Any) -> None:
+    """Refuse the ``Trainer`` settings that replace or change its loss."""
     if getattr(trainer, "compute_loss_func", None) is not None:
         raise _declare(cls.__name__, "its loss is compute_loss_func")
     smoothing = getattr(getattr(trainer, "args", None), "label_smoothing_factor", 0.0) or 0.0
@@ -127,7 +138,6 @@ def _hf(cls: type, trainer: Any) -> tuple[str, str] | None:
         raise _declare(
             cls.__name__, f"TrainingArguments.label_smoothing_factor={smoothing} smooths the loss"
         )
-    return None
 
 
 def trainer_objective(engine: Engine) -> tuple[Any, str] | None:

@@ -5,9 +5,12 @@ that trainer trains. For ``DPOTrainer`` that objective is TRL's own ``_compute_l
 :class:`fullbatch.trl.ExactDPOTrainer` weights per micro-batch): its value on a micro-batch
 times the micro-batch's pairs is the sum of the pair-level losses (``loss_type`` ``sigmoid``,
 ``hinge``, ``ipo``, ...), counted in pairs; ``["sft"]`` alone is the chosen tokens'
-``-log p`` summed, counted in chosen tokens. TRL's loss runs on a stand-in for the trainer
-(:class:`_Quiet`) that keeps the metrics it appends, its token count and its gathers to itself:
-the probe's evaluation logs nothing and talks to no other rank.
+``-log p`` summed, counted in chosen tokens. ``SFTTrainer(loss_type="dft")``: ``-p log p``
+(``p`` detached) summed over the target tokens of TRL's fused LM head, counted in those tokens
+(:func:`fullbatch.trl._sft.per_token_loss`, what ``ExactSFTTrainer`` trains). TRL's DPO loss
+runs on a stand-in for the trainer (:class:`_Quiet`) that keeps the metrics it appends, its
+token count and its gathers to itself: the probe's evaluation logs nothing and talks to no
+other rank.
 
 What has no such form is refused with the reason (the probe says it, exit 2, before anything
 trains): ``sft`` mixed with a pair-level loss (two counts in one loss), ``aot``/
@@ -25,8 +28,9 @@ import torch
 from trl import DPOTrainer
 
 from fullbatch.trl._refuse import _BATCH_COUPLED
+from fullbatch.trl._sft import per_token_loss
 
-__all__ = ["CannotJudge", "dpo_objective"]
+__all__ = ["CannotJudge", "dpo_objective", "sft_objective"]
 
 #: Keyword arguments of the policy's forward that are no part of TRL's ``inputs``.
 _CALL_ONLY = ("labels", "use_cache", "fused_lm_head", "num_items_in_batch", "output_router_logits")
@@ -143,3 +147,19 @@ def dpo_objective(trainer: Any) -> tuple[Callable[[torch.nn.Module, Any], Any], 
     dpo.paired_rows = True  # type: ignore[attr-defined]  # [chosen; rejected]: not reversed, not joined
     unit = "chosen tokens" if in_tokens else "pairs"
     return dpo, f"loss_type={types}, summed over {unit}"
+
+
+def sft_objective(trainer: Any) -> tuple[Callable[[torch.nn.Module, Any], Any], str]:
+    """``(fn(model, micro) -> (loss_sum, count), what it is)`` for a ``trl.SFTTrainer`` whose
+    ``loss_type`` is not ``"nll"`` (that one is the built-in ``causal_lm``)."""
+    loss_type = getattr(trainer.args, "loss_type", "nll") or "nll"
+
+    def sft(model: torch.nn.Module, micro: Any) -> tuple[torch.Tensor, float]:
+        if not isinstance(micro, Mapping) or not isinstance(micro.get("labels"), torch.Tensor):
+            raise CannotJudge("the SFT micro-batch has no labels")
+        inputs = {k: v for k, v in micro.items() if k not in _CALL_ONLY or k == "labels"}
+        out = model(**inputs, use_cache=False, fused_lm_head=True)
+        return per_token_loss(out.log_probs, loss_type).sum(), float(out.label_mask.sum())
+
+    sft.__name__ = f"sft_{loss_type}"
+    return sft, f"loss_type={loss_type!r}, summed over the target tokens"
