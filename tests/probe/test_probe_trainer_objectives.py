@@ -252,3 +252,38 @@ def test_stock_sft_trainer_with_dft_is_judged_under_its_per_token_loss() -> None
     check = probe.report.windows[0]
     assert probe.report.ok and check.objective == "sft_dft", str(probe.report)
     assert check.objective_source == ("SFTTrainer (loss_type='dft', summed over the target tokens)")
+
+
+def test_trainers_are_recognised_by_their_trl_base_and_any_other_trl_class_is_refused() -> None:
+    """No trainer is built: a subclass of TRL's ``DPOTrainer`` under another name is DPO
+    (``issubclass``, not its name); a class from TRL's experimental package (ORPO) is refused by
+    its own name, as is one whose loss type DPO cannot sum per pair."""
+    from transformers import Trainer
+    from trl import DPOTrainer
+
+    from fullbatch._probe._engines import Engine
+    from fullbatch._probe._trainer_objective import trainer_objective
+
+    class MyPreferenceTrainer(DPOTrainer):  # no trainer is constructed: only its class is read
+        pass
+
+    class ORPOTrainer(Trainer):
+        pass
+
+    ORPOTrainer.__module__ = "trl.experimental.orpo.orpo_trainer"
+
+    def engine(cls: type, **attributes: Any) -> Engine:
+        trainer = object.__new__(cls)
+        trainer.__dict__.update(attributes)
+        return Engine("x", package="trl", trainer=cls.__name__, trainer_object=trainer)
+
+    mine = engine(MyPreferenceTrainer, loss_types=["hinge"], args=None, accelerator=None)
+    fn, source = trainer_objective(mine)  # type: ignore[misc]
+    assert fn.__name__ == "dpo" and source == (
+        "MyPreferenceTrainer (loss_type=['hinge'], summed over pairs)"
+    )
+    with pytest.raises(Unknown, match=r"for ORPOTrainer: ORPOTrainer trains a loss of its own"):
+        trainer_objective(engine(ORPOTrainer))
+    mixed = engine(MyPreferenceTrainer, loss_types=["sigmoid", "sft"], args=None)
+    with pytest.raises(Unknown, match=r"mixes the 'sft' term .* two counts in one loss"):
+        trainer_objective(mixed)

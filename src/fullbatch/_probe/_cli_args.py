@@ -79,8 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="the loss accumulation should equal: causal_lm (next-token mean), token (masked "
         "LM, token classification), sample (one label per row), or MODULE:FN / FILE.py:FN, a "
-        "function fn(model, micro) -> (loss_sum, count); default: inferred from a Hugging Face "
-        "head",
+        "function fn(model, micro) -> (loss_sum, count); default: the trainer's own where the "
+        "probe computes it (ExactTrainer's loss=, TRL's SFTTrainer and DPOTrainer), else "
+        "inferred from a Hugging Face head; another trainer's (KTO, GRPO, ...) exits 2 before "
+        "anything trains",
     )
     parser.add_argument(
         "--windows",
