@@ -1,13 +1,13 @@
-"""Stock TRL DPOTrainer (loss_type sigmoid) on a tiny Llama (float64), a frozen copy as the
+"""Stock TRL DPOTrainer (loss_type sigmoid) on a tiny Llama (float32), a frozen copy as the
 reference, SGD, gradient_accumulation_steps=2, probed with no --objective (the probe must
 judge it under DPO, not guess). Default: 2 pairs per micro-batch (every micro-batch alike);
 ``--uneven``: 3 pairs in micro-batches of 2 and 1 (TRL averages each over its own pairs).
 
 The truth: the first window's pairs as one float64 batch, the mean over pairs of
 ``-log σ(β Δ)`` (``Δ``: the chosen minus the rejected completion's summed log-probability
-ratio to the frozen initial model), one SGD step. The model is float64 (TRL's fused LM head
-still rounds in float32 tiles): in float32 this tiny model's DPO gradient carries a rounding
-of ~1e-3 (the probe's band says so), which would hide what the row is about."""
+ratio to the frozen initial model), one SGD step. ``bf16=False``: TRL's configs default to
+bf16 autocast, whose rounding (~1e-3 on this model; the probe's band measures it) would hide
+what the row is about."""
 
 import copy
 import sys
@@ -25,7 +25,7 @@ from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
 LR, BETA, K, BATCH = 0.1, 0.1, 2, 2
 warnings.simplefilter("ignore")
 n = K * BATCH - 1 if "--uneven" in sys.argv else K * BATCH
-model = tiny_causal_lm("llama")
+model = tiny_causal_lm("llama").float()
 start = copy.deepcopy(model)
 before = flat(model)
 pairs = Dataset.from_list(
@@ -60,7 +60,7 @@ with tempfile.TemporaryDirectory() as tmp:
         tmp, per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, learning_rate=LR,
         optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         max_steps=1, beta=BETA, train_sampling_strategy="sequential", report_to=[],
-        use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1,
+        use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, bf16=False,
     )  # fmt: skip
     trainer = DPOTrainer(
         model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=pairs,

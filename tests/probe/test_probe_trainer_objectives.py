@@ -60,7 +60,9 @@ def _train(n: int, *, exact: bool = False, **overrides: Any) -> dict[str, Any]:
         with fb.probe(windows=1) as probe:
             trainer.train()
     rows = [r for micro in recording.seen[:K] for r in micro]
-    return {"report": probe.report, "grads": first["grads"], "start": start, "rows": rows}
+    tokens = trainer._total_train_tokens  # counted by TRL's loss, once per micro-batch
+    return {"report": probe.report, "grads": first["grads"], "start": start, "rows": rows,
+            "tokens": tokens}  # fmt: skip
 
 
 def _truth(start: torch.nn.Module, rows: list[dict]) -> list[torch.Tensor]:
@@ -95,6 +97,11 @@ def test_stock_dpo_trainer_is_judged_under_dpo_and_right_when_it_is() -> None:
     assert check.objective_source == "DPOTrainer (loss_type=['sigmoid'], summed over pairs)"
     assert check.error < 1e-6
     assert "steps will differ" not in check.diagnosis  # max_grad_norm=0 and inf: no clip
+    # the probe ran TRL's loss again on every micro-batch, and the trainer counted nothing more
+    assert run["tokens"] == sum(
+        2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"])
+        for r in run["rows"]
+    )
 
 
 def test_stock_dpo_trainer_over_uneven_pair_counts_is_wrong_and_named() -> None:
