@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _cli_scripts import SRC, probe, write_scripts
 
-from fullbatch._probe._cli import FAILED, STATUSES
+from fullbatch._probe._cli_args import FAILED, STATUSES
 from fullbatch._probe._export import problems
 
 

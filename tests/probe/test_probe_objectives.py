@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import tempfile
-import warnings
 from typing import Any
 
 import pytest
@@ -156,26 +155,3 @@ def test_exact_trainer_objective_is_its_loss_and_the_old_name_warns() -> None:
     assert probe.report.ok, str(probe.report)
     assert check.objective == "token"
     assert check.objective_source == "fullbatch.hf.ExactTrainer(loss='token')"
-
-
-def test_stock_dpo_trainer_objective_is_refused_before_anything_trains() -> None:
-    pytest.importorskip("trl")
-    from trl import DPOTrainer
-
-    from _trl_dpo_cases import dpo_config, pairs
-    from fullbatch._demo._trl_tiny import char_tokenizer, tiny_causal_lm
-
-    model = tiny_causal_lm("llama")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DPOTrainer(
-            model=model, ref_model=tiny_causal_lm("llama"), args=dpo_config(tmp, k=2, batch=1),
-            train_dataset=pairs(4), processing_class=char_tokenizer(),
-        )  # fmt: skip
-        with pytest.raises(ValueError, match="cannot infer the objective for DPOTrainer") as e:
-            with fb.probe() as probe:
-                trainer.train()
-    assert "declare it" in str(e.value) and "loss_type=['sigmoid']" in str(e.value)
-    assert probe.failed is e.value
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # untrained

@@ -72,16 +72,19 @@ One job per module:
   ``_judge_coupled``: the judge's rule for such a window (right, or ``"coupled loss taken per
   micro-batch"``);
 - ``_trainer_objective``: the objective of the trainer that runs (``ExactTrainer``'s
-  ``loss=``, TRL's ``SFTTrainer``), or a refusal before anything trains where it is no
-  built-in one (TRL's DPO, KTO, ORPO, GRPO, ...);
+  ``loss=``, TRL's ``SFTTrainer``, TRL's ``DPOTrainer`` through
+  ``fullbatch.trl._objective``, imported only then), or a refusal before anything trains
+  where the probe cannot compute it (TRL's KTO, ORPO, GRPO, ...);
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
 - ``_window_stat``: a judge input, the share of a window's error an MoE load-balancing loss
   taken per micro-batch explains ("a window statistic taken per micro-batch");
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the
   measured windows, each judged; ``_export``: the report as versioned data (``--json``) and its
   schema; ``_plot``: the report as a picture (``--plot``);
-- ``_cli``: the ``fullbatch probe`` command; ``_command``: the Python script or module its
-  training command runs (anything else refused).
+- ``_cli``: the ``fullbatch probe`` command (runs the script under the probe);
+  ``_cli_args``: its options, ``--help`` and exit statuses; ``_cli_outcome``: how a run ends
+  (the exit status, failures in the command line's words); ``_command``: the Python script or
+  module its training command runs (anything else refused).
 
 The package imports nothing heavy itself, so ``fullbatch --help`` can load ``_cli`` without
 torch; checking code that does not use ``fb.Accumulator`` never imports the engine.

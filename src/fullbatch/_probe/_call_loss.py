@@ -150,6 +150,7 @@ def resolve(objective: Any, module: nn.Module) -> tuple[str, ObjectiveFn]:
                 raise ObjectiveFailed(_failed(name, call, micro, error)) from error
             return check_loss_output(out)
 
+        user.paired_rows = getattr(objective, "paired_rows", False)  # type: ignore[attr-defined]
         return name, user
     kind = objective if objective is not None else infer_objective(module)
     return kind, _builtin(kind)

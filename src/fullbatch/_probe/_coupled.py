@@ -142,8 +142,8 @@ def joined(parts: list[Any]) -> Any:
 def coupling(objective: Callable[..., Any], name: str, calls: list[Call]) -> str | None:
     """The sentence saying that ``objective`` couples the rows of a micro-batch, or None (it
     adds up, or the micro-batches cannot be joined to tell)."""
-    if len(calls) < 2:
-        return None
+    if len(calls) < 2 or getattr(objective, "paired_rows", False):
+        return None  # paired rows ([chosen; rejected]) join into other pairs: no test
     first, second = calls[0].user_micro(), calls[1].user_micro()
     both = joined([first, second])
     if both is None:

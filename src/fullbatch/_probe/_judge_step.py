@@ -86,10 +86,13 @@ def step_findings(m: Measured) -> list[tuple[str, str]]:
 
 def clip_note(m: Measured) -> str | None:
     """Where the configured and the applied clip differ in value but not (yet) in this
-    window's step: both named, and where each comes from."""
+    window's step: both named, and where each comes from (no note where neither clips: 0 and
+    ``inf``, the Trainer's gradient norm taken for its log)."""
     a = m.asked
     if a is None or abs(a.asked - a.applied) <= 1e-12 * max(abs(a.asked), 1.0):
         return None
+    if all(v <= 0 or math.isinf(v) for v in (a.asked, a.applied)):
+        return None  # max_grad_norm=0 and a norm taken at max_norm=inf: no clip either way
     if _differs(a) is not None:
         return None
     first = min(v for v in (a.asked, a.applied) if v > 0)

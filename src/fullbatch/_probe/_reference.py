@@ -79,8 +79,9 @@ class LocalReference:
 def _band(
     call: Call, objective: ObjectiveFn, params: list[nn.Parameter], divisor: float
 ) -> tuple[Grads, bool]:
-    """``∇(S/d)`` for one call (rows reversed where allowed), and whether they were."""
-    other = reversed_call(call)
+    """``∇(S/d)`` for one call (rows reversed where allowed: not where the objective pairs
+    its rows, as DPO's ``[chosen; rejected]``), and whether they were."""
+    other = None if getattr(objective, "paired_rows", False) else reversed_call(call)
     if other is not None:
         try:
             return replay(other, objective, params, 1.0 / divisor)[0], True

@@ -10,32 +10,44 @@ run (before any backward: nothing has moved yet), the engine found above it
   (``"seq2seq"`` is ``"token"`` on the decoder's targets);
 - TRL's ``SFTTrainer`` (and ``fullbatch.trl.ExactSFTTrainer``) with ``loss_type="nll"``:
   ``"causal_lm"``, the next-token mean over the labels its collator builds;
-- TRL's other trainers (DPO, KTO, ORPO, GRPO, RLOO, reward, ...), SFT's ``dft``, a
-  ``ExactTrainer`` whose loss is a function, a Hugging Face ``Trainer`` with
-  ``compute_loss_func``, ``label_smoothing_factor`` or an overridden ``compute_loss``: the
-  objective is not the head's and cannot be written as a built-in one: :class:`Unknown`
-  (``fullbatch probe`` exits 2 naming the trainer and how to declare it);
+- TRL's ``DPOTrainer`` (and ``fullbatch.trl.ExactDPOTrainer``): ``"dpo"``, TRL's own loss
+  summed over the micro-batch's pairs (:mod:`fullbatch.trl._objective`, imported only then),
+  where its ``loss_type`` has that form; ``SFTTrainer(loss_type="dft")``: ``"sft_dft"``, its
+  per-token loss summed over the targets;
+- TRL's other trainers (KTO, ORPO, GRPO, RLOO, reward, ...), DPO settings with no per-pair
+  sum, an ``ExactTrainer`` whose loss is a function, a Hugging Face ``Trainer``
+  with ``compute_loss_func``, ``label_smoothing_factor`` or an overridden ``compute_loss``: the
+  objective cannot be written as one the probe computes: :class:`Unknown` (``fullbatch
+  probe`` exits 2 naming the trainer and how to declare it);
 - anything else (a loop, a plain ``Trainer``, Lightning): None: the head decides, as before.
+
+TRL's classes are recognised with ``issubclass`` against TRL's own (looked up only where a
+class of that name from the ``trl`` package is among the trainer's bases, so nothing new is
+imported), any other class from ``trl`` is refused by its name.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from fullbatch._probe._engines import Engine
 
 __all__ = ["ObjectiveUnknown", "Unknown", "trainer_objective"]
 
-#: TRL trainers whose objective is no built-in one, by class name.
-_TRL_OTHERS = (
-    "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "GRPOTrainer", "RLOOTrainer",
-    "PPOTrainer", "RewardTrainer", "OnlineDPOTrainer", "NashMDTrainer", "XPOTrainer",
-    "GKDTrainer", "BCOTrainer", "PRMTrainer",
-)  # fmt: skip
-
 
 class Unknown(ValueError):
-    """The objective of the trainer that runs cannot be inferred: the probe will not guess."""
+    """The objective of the trainer that runs cannot be inferred: the probe will not guess.
+    ``trainer``: its class name; ``why``: the reason."""
+
+    def __init__(self, trainer: str, why: str) -> None:
+        super().__init__(
+            f"objective=None: cannot infer the objective for {trainer}: {why}; declare it: "
+            "objective=fn(model, micro) -> (loss_sum, count), the loss summed over the "
+            "micro-batch's items (fullbatch probe --objective FILE.py:FN), or a built-in name "
+            "where one fits (causal_lm, token, sample). Nothing was trained."
+        )
+        self.trainer, self.why = trainer, why
 
 
 class ObjectiveUnknown(ValueError):
@@ -48,35 +60,60 @@ class ObjectiveUnknown(ValueError):
 
 
 def _declare(trainer: str, why: str) -> Unknown:
-    return Unknown(
-        f"objective=None: cannot infer the objective for {trainer}: {why}; declare it: "
-        "objective=fn(model, micro) -> (loss_sum, count), the loss summed over the "
-        "micro-batch's items (fullbatch probe --objective FILE.py:FN), or a built-in name where "
-        "one fits (causal_lm, token, sample). Nothing was trained."
-    )
+    return Unknown(trainer, why)
 
 
-def _trl(cls: type, trainer: Any) -> tuple[str, str] | None:
+def _from_trl(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"]
+
+
+def _is_trl(cls: type, name: str) -> bool:
+    """Whether ``cls`` is TRL's trainer ``name`` or derives from it."""
+    if not any(c.__name__ == name for c in _from_trl(cls)):
+        return False
+    trl = sys.modules.get("trl")
+    try:
+        real = getattr(trl, name, None)  # imported already: cls derives from it
+    except ImportError:  # pragma: no cover - a TRL that moved the class
+        real = None
+    return not isinstance(real, type) or issubclass(cls, real)
+
+
+def _dpo(trainer: Any, name: str) -> tuple[Any, str]:
+    from fullbatch.trl._objective import CannotJudge, dpo_objective
+
+    try:
+        fn, what = dpo_objective(trainer)
+    except CannotJudge as error:
+        raise _declare(name, f"DPOTrainer with {error}") from None
+    return fn, f"{name} ({what})"
+
+
+def _trl(cls: type, trainer: Any) -> tuple[Any, str] | None:
     """``(objective, where from)`` of a TRL trainer class (or a fullbatch route built on one),
-    None when it is not one; raises :class:`Unknown` for the objectives that are no built-in."""
-    names = [c.__name__ for c in cls.__mro__ if c.__module__.split(".")[0] == "trl"]
-    if "SFTTrainer" in names:
-        loss_type = getattr(getattr(trainer, "args", None), "loss_type", "nll") or "nll"
+    None when it is not one; raises :class:`Unknown` for the objectives the probe cannot
+    compute."""
+    ours = _from_trl(cls)
+    if not ours:
+        return None
+    config = getattr(trainer, "args", None)
+    if _is_trl(cls, "SFTTrainer"):
+        _settings(cls, trainer)
+        loss_type = getattr(config, "loss_type", "nll") or "nll"
         if loss_type == "nll":
             return "causal_lm", f"{cls.__name__} (loss_type='nll': the next-token mean)"
-        raise _declare(cls.__name__, f"SFTConfig(loss_type={loss_type!r}) is no built-in")
-    other = next((n for n in names if n in _TRL_OTHERS), None)
-    if other is not None:
-        loss = getattr(getattr(trainer, "args", None), "loss_type", None)
-        shown = f" (loss_type={loss!r})" if loss is not None else ""
-        return _refused(cls, f"{other}{shown} trains a loss of its own, not the model head's")
-    if names:
-        return _refused(cls, "a TRL trainer whose loss the probe does not know")
-    return None
+        from fullbatch.trl._objective import sft_objective
 
-
-def _refused(cls: type, why: str) -> tuple[str, str]:
-    raise _declare(cls.__name__, why)
+        fn, what = sft_objective(trainer)
+        return fn, f"{cls.__name__} ({what})"
+    if _is_trl(cls, "DPOTrainer"):
+        return _dpo(trainer, cls.__name__)
+    loss = getattr(config, "loss_type", None)
+    shown = f" (loss_type={loss!r})" if loss is not None else ""
+    raise _declare(
+        cls.__name__,
+        f"{ours[0].__name__}{shown} trains a loss of its own, which the probe cannot compute",
+    )
 
 
 def _hf(cls: type, trainer: Any) -> tuple[str, str] | None:
@@ -88,6 +125,12 @@ def _hf(cls: type, trainer: Any) -> tuple[str, str] | None:
     owner = next((c for c in cls.__mro__ if "compute_loss" in c.__dict__), base)
     if owner is not base:
         raise _declare(cls.__name__, f"{owner.__name__} overrides compute_loss")
+    _settings(cls, trainer)
+    return None
+
+
+def _settings(cls: type, trainer: Any) -> None:
+    """Refuse the ``Trainer`` settings that replace or change its loss."""
     if getattr(trainer, "compute_loss_func", None) is not None:
         raise _declare(cls.__name__, "its loss is compute_loss_func")
     smoothing = getattr(getattr(trainer, "args", None), "label_smoothing_factor", 0.0) or 0.0
@@ -95,15 +138,15 @@ def _hf(cls: type, trainer: Any) -> tuple[str, str] | None:
         raise _declare(
             cls.__name__, f"TrainingArguments.label_smoothing_factor={smoothing} smooths the loss"
         )
-    return None
 
 
-def trainer_objective(engine: Engine) -> tuple[str, str] | None:
-    """``(objective, where it comes from)`` for the trainer of ``engine``, or None where no
-    trainer says (the model's head decides).
+def trainer_objective(engine: Engine) -> tuple[Any, str] | None:
+    """``(objective, where it comes from)`` for the trainer of ``engine`` (a built-in name, or
+    ``fn(model, micro) -> (loss_sum, count)`` for TRL's DPO), or None where no trainer says
+    (the model's head decides).
 
     Raises:
-        Unknown: a trainer whose objective is no built-in one (module docstring).
+        Unknown: a trainer whose objective the probe cannot compute (module docstring).
 
     >>> trainer_objective(Engine("a hand-written loop")) is None
     True
@@ -120,7 +163,7 @@ def trainer_objective(engine: Engine) -> tuple[str, str] | None:
             return ("token" if loss == "seq2seq" else loss), f"{engine.name}(loss={loss!r})"
         known = _trl(cls, trainer)
         if known is not None:
-            return known[0], engine.name
+            return known[0], engine.name + known[1].split(cls.__name__, 1)[-1]
         why = "its loss is a function" if callable(loss) else "its loss is its exact_loss()"
         raise _declare(engine.name, why)
     known = _trl(cls, trainer)

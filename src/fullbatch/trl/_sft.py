@@ -28,7 +28,17 @@ from fullbatch.hf._trainer import ExactTrainer, target_count
 from fullbatch.trl._refuse import common
 from fullbatch.trl._step import offloaded_training_step
 
-__all__ = ["ExactSFTTrainer"]
+__all__ = ["ExactSFTTrainer", "per_token_loss"]
+
+
+def per_token_loss(log_probs: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """TRL's SFT loss per target token from its fused head's log-probabilities (zero where
+    nothing is predicted): ``-log p`` (``"nll"``) or ``-p log p`` with ``p`` detached
+    (``"dft"``). Also the probe's objective for a stock ``SFTTrainer`` with ``"dft"``."""
+    per_token = -log_probs
+    if loss_type == "dft":
+        per_token = per_token * log_probs.exp().detach()
+    return per_token
 
 
 class ExactSFTTrainer(ExactTrainer, SFTTrainer):
@@ -104,10 +114,8 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
                     "once; ExactSFTTrainer needs them for the window's load-balancing loss. Set "
                     "router_aux_loss_coef=0.0 to train without it."
                 )
-        log_probs = outputs.log_probs  # zero on ignored positions
-        per_token = -log_probs
-        if getattr(self.args, "loss_type", "nll") == "dft":  # an SFTConfig's
-            per_token = per_token * log_probs.exp().detach()
+        # zero on ignored positions; loss_type: an SFTConfig's
+        per_token = per_token_loss(outputs.log_probs, getattr(self.args, "loss_type", "nll"))
         mask = outputs.label_mask
         if "attention_mask" in inputs:
             tokens = inputs["attention_mask"].sum()
