@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="the loss accumulation should equal: causal_lm (next-token mean), token (masked "
-        "LM, token classification), sample (one label per row), or MODULE:FN / FILE.py:FN, a "
+        "LM, token classification), sample (one label per row), causal_lm+moe (a MoE model: "
+        "plus its load balancing over the window), or MODULE:FN / FILE.py:FN, a "
         "function fn(model, micro) -> (loss_sum, count); default: inferred from a Hugging Face "
         "head",
     )
@@ -204,7 +205,7 @@ def _objective(spec: str | None) -> Any:
                 file=sys.stderr,
             )
         return RENAMED[spec]
-    if spec is None or spec in OBJECTIVES:
+    if spec is None or spec in (*OBJECTIVES, "causal_lm+moe"):  # +moe: docs/moe.md
         return spec
     if ":" not in spec:
         raise UsageError(

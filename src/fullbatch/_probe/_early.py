@@ -34,6 +34,7 @@ from fullbatch._base._sync._fsdp import is_fsdp
 from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
 from fullbatch._probe._call_loss import on_output
 from fullbatch._probe._capture import Call
+from fullbatch._probe._moe_objective import MOE, moe_kind
 from fullbatch._probe._reference import LocalReference, add_into
 from fullbatch._probe._replay import grads_of
 from fullbatch._probe._sample import Sampler
@@ -122,6 +123,8 @@ class EarlyReference:
                     kind = infer_objective(module)
                 except ValueError:
                     kind = None  # the replay raises, naming the choices
+                if kind is not None and moe_kind(kind, module, declared=False) == MOE:
+                    kind = None  # its aux term needs the window's routing: replayed at step()
             self._kind[key] = kind
         return self._kind[key]
 

@@ -26,6 +26,7 @@ from fullbatch._probe._engines import find_engine
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
+from fullbatch._probe._moe_objective import MOE
 from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
 from fullbatch._probe._trainer_objective import ObjectiveUnknown, trainer_objective
@@ -101,7 +102,8 @@ class Probe:
         self.limit = window_limit(windows)
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
-        objective = check_objective(objective)  # an earlier release's name: warned, renamed
+        if objective != MOE:  # causal_lm+moe: the probe's own (docs/moe.md)
+            objective = check_objective(objective)  # an earlier release's name: warned, renamed
         self.optimizer = None if optimizer is None else _inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
         self.objective_source = "declared" if objective is not None else ""
