@@ -429,5 +429,6 @@ def _judge(m: Measured, k_max: int) -> Judgement:
         )
     named = (pattern, "mean of per-micro-batch means") if text.startswith(_BOTH) else (pattern,)
     if stat is not None:  # a MoE window's load balancing per micro-batch: named with its share
-        pattern, text, named = with_statistic(stat, named, text)
+        first, said, every = with_statistic(stat, named, text)
+        return Judgement(False, first, said, patterns=every)
     return Judgement(False, pattern, text, patterns=named)
