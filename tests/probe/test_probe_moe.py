@@ -9,8 +9,13 @@ verdict and its error are checked against a truth computed here."""
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,7 @@ pytest.importorskip("transformers")
 
 import fullbatch as fb
 from _moe_cases import COEF, forward, make_moe, moe_rows, reference, routing, split
+from fullbatch._probe._export import problems
 from fullbatch._probe._window_stat import NAMED, NAMED_SHARE
 
 LENGTHS = (7, 3, 5, 7, 2, 6)
@@ -159,7 +165,7 @@ def test_aux_off_is_plain_causal_lm(models: dict[str, Any]) -> None:
         assert truth < 1e-6, truth
     model = _model(models, "mixtral")
     model.router_aux_loss_coef = 0.0  # what the forward multiplies by, whatever the config says
-    assert fb.moe.__name__ and model.config.router_aux_loss_coef == COEF
+    assert model.config.router_aux_loss_coef == COEF
     from fullbatch._probe._moe_objective import aux_of
 
     assert aux_of(model) is None
@@ -222,3 +228,39 @@ def test_hf_trainer_stock_is_named_and_exact_trainer_right(models: dict[str, Any
     (w,) = report.windows
     assert report.ok and w.objective == MOE and "ExactTrainer" in w.objective_source, report
     assert truth < 1e-6, truth
+
+
+SCRIPT = """
+import torch
+from _moe_cases import make_moe, moe_rows, split
+
+model = make_moe("mixtral")
+model.config.output_router_logits = True  # the model adds coef * load balancing to its loss
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micros = split(moe_rows((7, 3, 5, 7, 2, 6), seed=3), (1, 3, 2))
+for micro in micros:
+    loss = model(**micro).loss / len(micros)  # the stock loop
+    loss.backward()
+opt.step()
+print("script finished")
+"""
+
+
+def test_cli_names_the_statistic(tmp_path: Path) -> None:
+    """``fullbatch probe --json -- python train.py`` on the stock loop: exit 1, the objective
+    inferred as causal_lm+moe, the statistic named with its share, in the text and the data."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    tests = Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent / "src"), str(tests)])}
+    result = subprocess.run(
+        [sys.executable, "-m", "fullbatch", "probe", "--json", "out.json", "--",
+         "python", "train.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "(causal_lm+moe)" in result.stdout and NAMED in result.stdout, result.stdout
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert problems(data) == []
+    (window,) = data["windows"]
+    assert NAMED in window["patterns"] and 0 < window["statistic_share"] < 1, window
+    assert f"explains {window['statistic_share']:.0%} of the error" in window["diagnosis"]
