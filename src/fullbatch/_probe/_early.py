@@ -12,7 +12,8 @@ Where: a built-in objective whose logits are in the model's output (not TRL's fu
 a tuple that starts with the model's own loss), labels found, on a module whose parameters are
 plain ``nn.Parameter`` objects (a plain module, or one under DDP, whose reducer hooks live on the
 gradient accumulators that ``torch.autograd.grad`` never runs). Everything else (a callable
-objective, which runs the model itself; FSDP, DeepSpeed ZeRO-3 or ColossalAI Gemini, whose
+objective, which runs the model itself; a MoE model's ``causal_lm+moe``, whose aux term needs
+the window's routing counts first; FSDP, DeepSpeed ZeRO-3 or ColossalAI Gemini, whose
 backward hooks would reduce) is replayed at ``step()`` by :mod:`fullbatch._probe._reference`,
 as is a whole window whose calls are not exactly those differentiated here (a forward the
 window left out).

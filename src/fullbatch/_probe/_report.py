@@ -76,8 +76,9 @@ class WindowCheck:
             ``"dropped"``, ``"counted twice"``, ``"leftover gradient"``, ``"ranks differ"``,
             ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"scaled clip"``,
             ``"clip differs"``, ``"nothing to check"``, ``"unsupported"``, ``"coupled loss"``
-            (a callable objective whose rows interact: not judged per micro-batch) or
-            ``"other"``.
+            (a callable objective whose rows interact: not judged per micro-batch), ``"a window
+            statistic taken per micro-batch"`` (a MoE model's load balancing per micro-batch;
+            ``statistic_share``) or ``"other"``.
         engine: who stepped the optimizer (e.g. ``"transformers.Trainer"``).
         objective: the declared objective's name.
         ranks: micro-batches per rank (one entry in a single process).

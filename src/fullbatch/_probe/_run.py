@@ -411,7 +411,9 @@ def probe(
             (DDP and Lightning's wrappers looked through).
         optimizer: the optimizer whose steps end windows; default: every one that steps
             (several stepped together end one window, and all their parameters are checked).
-        objective: ``"causal_lm"``, ``"token"``, ``"sample"``, ``fn(model, micro) ->
+        objective: ``"causal_lm"``, ``"token"``, ``"sample"``, ``"causal_lm+moe"`` (a
+            transformers MoE model's cross-entropy plus its load balancing over the window;
+            inferred for one whose forward adds it: docs/moe.md), ``fn(model, micro) ->
             (loss_sum, count)`` (``micro``: the engine's micro-batch, e.g. the Trainer's
             ``inputs``), or None to infer it from a Hugging Face head.
         windows: how many windows to check: a positive int; None, the first two (a gradient

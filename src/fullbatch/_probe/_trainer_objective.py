@@ -16,6 +16,10 @@ run (before any backward: nothing has moved yet), the engine found above it
   objective is not the head's and cannot be written as a built-in one: :class:`Unknown`
   (``fullbatch probe`` exits 2 naming the trainer and how to declare it);
 - anything else (a loop, a plain ``Trainer``, Lightning): None: the head decides, as before.
+
+On a transformers MoE model whose forward adds its router aux loss, a trainer's
+``"causal_lm"`` is ``"causal_lm+moe"`` (:mod:`fullbatch._probe._moe_objective`): the trainer
+trains the load balancing too.
 """
 
 from __future__ import annotations
