@@ -163,12 +163,6 @@ def test_aux_off_is_plain_causal_lm(models: dict[str, Any]) -> None:
         (w,) = report.windows
         assert report.ok and w.objective == "causal_lm" and w.statistic_share is None, report
         assert truth < 1e-6, truth
-    model = _model(models, "mixtral")
-    model.router_aux_loss_coef = 0.0  # what the forward multiplies by, whatever the config says
-    assert model.config.router_aux_loss_coef == COEF
-    from fullbatch._probe._moe_objective import aux_of
-
-    assert aux_of(model) is None
     report, _ = _loop(_model(models, "mixtral", router_aux_loss_coef=0.0), "loss/GA")
     (w,) = report.windows
     assert w.patterns == ("mean of per-micro-batch means",) and w.statistic_share is None

@@ -146,17 +146,12 @@ class MoeAux:
 
 def moe_aux_of(model: torch.nn.Module) -> MoeAux | None:
     """The router aux loss the model adds to its own loss (``output_router_logits`` on and a
-    nonzero ``router_aux_loss_coef``), or ``None``. The coefficient is the one its forward
-    multiplies by: the model's own ``router_aux_loss_coef`` (transformers copies the config's
-    at construction), else the config's."""
+    nonzero ``router_aux_loss_coef``), or ``None``."""
     config = getattr(model, "config", None)
     if config is None:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    own = getattr(model, "router_aux_loss_coef", None)
-    if not isinstance(own, (int, float)):
-        own = getattr(text, "router_aux_loss_coef", 0.0)
-    coef = float(own or 0.0)
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
     if not getattr(text, "output_router_logits", False) or coef == 0.0:
         return None
     top_k = getattr(text, "num_experts_per_tok", None)
