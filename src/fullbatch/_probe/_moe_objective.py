@@ -117,34 +117,57 @@ def _labels(call: Call) -> tuple[torch.Tensor, bool]:
     return labels, shifted
 
 
+def _experts(module: nn.Module) -> int:
+    """The model's experts per layer, from its config (Mixtral's ``num_local_experts``,
+    Qwen3-MoE's and OLMoE's ``num_experts``)."""
+    config = getattr(unwrapped(module), "config", None)
+    text = (
+        config.get_text_config()
+        if config is not None and hasattr(config, "get_text_config")
+        else config
+    )
+    for name in ("num_local_experts", "num_experts"):
+        value = getattr(text, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        f"objective={MOE!r}: {type(unwrapped(module)).__name__}'s config names no number of "
+        "experts (num_local_experts or num_experts); declare objective=fn(model, micro)."
+    )
+
+
 def _routing(calls: list[Call], aux: MoeAux, sync: Any) -> tuple[dict[str, torch.Tensor], float]:
     """The pre-pass: every call's routing counts and items, summed over the window and ranks in
-    one reduction (each forward from its call's RNG state; the RNG put back after)."""
+    one reduction (each forward from its call's RNG state; the RNG put back after). A rank
+    whose pre-pass fails still joins the reduction, flagged, and every rank then raises."""
     rng = RngState()
-    rows: list[torch.Tensor] = []
+    total = torch.zeros(_experts(calls[0].module) + 3, dtype=torch.float64)  # [C, R, N, failed]
+    failed: Exception | None = None
     try:
         with torch.no_grad():
             for call in calls:
                 with replaying(call):
                     out = call.module(*call.args, **_given(call))
-                c = router_counts(
-                    _router_logits(out),
-                    top_k=aux.top_k,
-                    attention_mask=call.kwargs.get("attention_mask"),
-                )
+                mask = call.kwargs.get("attention_mask")
+                c = router_counts(_router_logits(out), top_k=aux.top_k, attention_mask=mask)
                 labels, shifted = _labels(call)
-                n = objective_count("causal_lm", labels, shifted=shifted)
-                rows.append(torch.cat([c["experts"].cpu(), c["rows"].reshape(1).cpu(),
-                                       torch.tensor([n], dtype=torch.float64)]))  # fmt: skip
+                total[:-3] += c["experts"].cpu()
+                total[-3] += c["rows"].cpu()
+                total[-2] += objective_count("causal_lm", labels, shifted=shifted)
+    except (ValueError, TypeError, RuntimeError) as error:
+        failed, total[-1] = error, 1.0
     finally:
         rng.restore()
-    total = torch.stack(rows).sum(0)
     if sync.world > 1:
-        device = calls[0].kwargs.get("input_ids", total)
-        total = total.to(device.device if isinstance(device, torch.Tensor) else "cpu")
+        ids = calls[0].kwargs.get("input_ids")
+        total = total.to(ids.device if isinstance(ids, torch.Tensor) else "cpu")
         sum_tensors([total], sync.group)
         total = total.cpu()
-    return {"experts": total[:-2], "rows": total[-2]}, float(total[-1])
+    if failed is not None:
+        raise failed
+    if total[-1] > 0:
+        raise RuntimeError(f"objective={MOE!r}: the routing pre-pass failed on another rank.")
+    return {"experts": total[:-3], "rows": total[-3]}, float(total[-2])
 
 
 def _aux_columns(
