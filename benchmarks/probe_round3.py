@@ -40,6 +40,7 @@ KNOWN = (
     "scaled clip", "clip differs", "coupled loss", "dropped", "mean of per-micro-batch means",
     "not normalized", "right", "loss differs", "other", "nothing to check",
     "coupled loss taken per micro-batch",
+    "a window statistic taken per micro-batch",
 )  # fmt: skip
 
 
@@ -97,6 +98,8 @@ def probe(row: Row) -> tuple[str, int, str, float]:
     patterns = re.findall(r"^  ([a-z][a-z -]+?)(?::|,)", out, re.M)
     if ", and a mean of per-micro-batch means" in out:
         patterns.append("mean of per-micro-batch means")
+    if "; and a window statistic taken per micro-batch" in out:  # named after another
+        patterns.append("a window statistic taken per micro-batch")
     named = [p for p in dict.fromkeys(patterns) if p in KNOWN]
     if named and not verdict.startswith("error"):
         verdict = f"{verdict}: {' + '.join(named)}"
@@ -170,6 +173,12 @@ ROWS = [
         ["python", "hf_deepspeed_clip.py"], note=_line("clip: asked")),
     Row("objective not inferable (a plain module, no --objective)",
         ["python", "not_inferable.py"], truth=False),
+    Row("MoE (tiny Mixtral, aux on): stock loop model(**micro).loss / K",
+        ["python", "moe_stock.py"], note=_line("per micro-batch:")),
+    Row("MoE: stock HF Trainer (num_items_in_batch)", ["python", "moe_stock.py", "--trainer"],
+        note=_line("per micro-batch:")),
+    Row("MoE: fullbatch.hf.ExactTrainer(loss='causal_lm')", ["python", "moe_stock.py", "--exact"],
+        note=_line("per micro-batch:")),
 ]  # fmt: skip
 
 

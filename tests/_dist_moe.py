@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fullbatch as fb
-from _moe_cases import exact_share, make_moe, moe_rows, routing, split, tokens
+from _moe_cases import COEF, exact_share, make_moe, moe_rows, routing, split, tokens
 from _selection_cases import cut, importance, loss_sum, threshold, with_old
 
 # Each rank's rows and its uneven micro-batches: rank 0 holds 2 micro-batches, rank 1 holds 3.
@@ -98,3 +98,53 @@ def selection_rank(rank: int, world: int) -> dict[str, Any]:
         stats = window.step()
     update = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
     return {"update": update, "count": stats.count, "limit": float(limit), "n": values.numel()}
+
+
+def probed_moe_rank(rank: int, world: int) -> dict[str, Any]:
+    """Under ``fb.probe`` (objective inferred: causal_lm+moe), one window on each rank: the
+    exact route (``window.stats``), then the Trainer's recipe by hand (the cross-entropy over
+    the window's tokens of every rank, each micro-batch's own aux loss); each run's verdict
+    and update."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for how in ("exact", "stock"):
+        model = make_moe("mixtral")
+        model.config.output_router_logits = True  # the model adds its aux loss: inferred
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+        start, stop = _rank_rows(rank)
+        micros = split({k: v[start:stop] for k, v in moe_window().items()}, MOE_SPLIT[rank])
+        with fb.probe(windows=1) as probe:
+            if how == "exact":
+                acc = fb.Accumulator(ddp, opt, micro_batches=len(micros), counts=tokens())
+                for window in acc.windows(micros):
+                    counts = window.stats(routing(ddp))
+                    for micro in window:
+                        window.backward(exact_share(ddp, window, counts, micro))
+                    window.step()
+            else:
+                total = torch.tensor(float(sum(fb.count_tokens(m["labels"]) for m in micros)))
+                dist.all_reduce(total)
+                for i, micro in enumerate(micros):
+                    last = i == len(micros) - 1
+                    with ddp.no_sync() if not last else _nothing():
+                        o = ddp(input_ids=micro["input_ids"],
+                                attention_mask=micro["attention_mask"])  # fmt: skip
+                        ce, _ = fb.causal_lm_loss(o.logits, micro["labels"])
+                        (ce * world / total + COEF * o.aux_loss).backward()
+                opt.step()
+        (w,) = probe.report.windows
+        update = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+        out[how] = {"ok": w.ok, "patterns": w.patterns, "share": w.statistic_share,
+                    "error": w.error, "objective": w.objective, "update": update}  # fmt: skip
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

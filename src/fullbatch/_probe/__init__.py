@@ -76,6 +76,9 @@ One job per module:
   ``fullbatch.trl._objective``, imported only then), or a refusal before anything trains
   where the probe cannot compute it (TRL's KTO, ORPO, GRPO, ...);
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
+- ``_moe_objective``: a transformers MoE model's objective, ``causal_lm+moe`` (inferred or
+  declared): the window's routing counts in a pre-pass, each call's cross-entropy plus its
+  load-balancing term over the window, and the aux gradients the diagnosis fits;
 - ``_window_stat``: a judge input, the share of a window's error an MoE load-balancing loss
   taken per micro-batch explains ("a window statistic taken per micro-batch");
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the

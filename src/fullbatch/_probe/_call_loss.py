@@ -28,11 +28,11 @@ from fullbatch._proof._objective import (
     objective_loss,
 )
 
-__all__ = ["ObjectiveFailed", "ObjectiveFn", "describe", "on_output", "resolve"]
+__all__ = ["LOSS_ONLY", "ObjectiveFailed", "ObjectiveFn", "describe", "on_output", "resolve"]
 
 ObjectiveFn = Callable[[nn.Module, Call], tuple[torch.Tensor, float]]
 #: Keyword arguments that only shape the model's own loss; the objective computes its own.
-_LOSS_ONLY = ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "return_loss")
+LOSS_ONLY = ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "return_loss")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -107,7 +107,7 @@ def _builtin(kind: str) -> ObjectiveFn:
             raise _no_labels(call)
         if kind == "causal_lm" and call.kwargs.get("fused_lm_head") is True:
             return _fused(module, call)
-        kwargs = {k: v for k, v in call.kwargs.items() if k not in _LOSS_ONLY}
+        kwargs = {k: v for k, v in call.kwargs.items() if k not in LOSS_ONLY}
         logits = logits_of(module(*call.args, **kwargs))
         loss_sum, count = objective_loss(kind, logits, labels, shifted=shifted)
         return loss_sum, float(count)
@@ -122,7 +122,7 @@ def on_output(kind: str, call: Call, output: Any) -> tuple[torch.Tensor, float] 
     labels, shifted = call.labels()
     if labels is None or call.kwargs.get("fused_lm_head") is True:
         return None
-    if isinstance(output, (tuple, list)) and any(k in call.kwargs for k in _LOSS_ONLY):
+    if isinstance(output, (tuple, list)) and any(k in call.kwargs for k in LOSS_ONLY):
         return None  # (loss, logits, ...): a replay without the labels returns (logits, ...)
     try:
         logits = logits_of(output)

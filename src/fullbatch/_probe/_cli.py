@@ -52,7 +52,7 @@ def _objective(spec: str | None) -> Any:
                 file=sys.stderr,
             )
         return RENAMED[spec]
-    if spec is None or spec in OBJECTIVES:
+    if spec is None or spec in (*OBJECTIVES, "causal_lm+moe"):  # +moe: docs/moe.md
         return spec
     if ":" not in spec:
         raise UsageError(

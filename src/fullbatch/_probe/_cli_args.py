@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="the loss accumulation should equal: causal_lm (next-token mean), token (masked "
-        "LM, token classification), sample (one label per row), or MODULE:FN / FILE.py:FN, a "
+        "LM, token classification), sample (one label per row), causal_lm+moe (a MoE model: "
+        "plus its load balancing over the window), or MODULE:FN / FILE.py:FN, a "
         "function fn(model, micro) -> (loss_sum, count); default: the trainer's own where the "
         "probe computes it (ExactTrainer's loss=, TRL's SFTTrainer and DPOTrainer), else "
         "inferred from a Hugging Face head; another trainer's (KTO, GRPO, ...) exits 2 before "

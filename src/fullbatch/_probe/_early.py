@@ -12,7 +12,8 @@ Where: a built-in objective whose logits are in the model's output (not TRL's fu
 a tuple that starts with the model's own loss), labels found, on a module whose parameters are
 plain ``nn.Parameter`` objects (a plain module, or one under DDP, whose reducer hooks live on the
 gradient accumulators that ``torch.autograd.grad`` never runs). Everything else (a callable
-objective, which runs the model itself; FSDP, DeepSpeed ZeRO-3 or ColossalAI Gemini, whose
+objective, which runs the model itself; a MoE model's ``causal_lm+moe``, whose aux term needs
+the window's routing counts first; FSDP, DeepSpeed ZeRO-3 or ColossalAI Gemini, whose
 backward hooks would reduce) is replayed at ``step()`` by :mod:`fullbatch._probe._reference`,
 as is a whole window whose calls are not exactly those differentiated here (a forward the
 window left out).
@@ -34,6 +35,7 @@ from fullbatch._base._sync._fsdp import is_fsdp
 from fullbatch._base._sync._probe import is_ddp, unsupported_wrapper
 from fullbatch._probe._call_loss import on_output
 from fullbatch._probe._capture import Call
+from fullbatch._probe._moe_objective import MOE, moe_kind
 from fullbatch._probe._reference import LocalReference, add_into
 from fullbatch._probe._replay import grads_of
 from fullbatch._probe._sample import Sampler
@@ -122,6 +124,8 @@ class EarlyReference:
                     kind = infer_objective(module)
                 except ValueError:
                     kind = None  # the replay raises, naming the choices
+                if kind is not None and moe_kind(kind, module, declared=False) == MOE:
+                    kind = None  # its aux term needs the window's routing: replayed at step()
             self._kind[key] = kind
         return self._kind[key]
 

@@ -67,6 +67,7 @@ _WINDOW = {
         "optimizers": _STRINGS,
         "per_optimizer": {"type": "array", "items": _OPTIMIZER},
         "no_backward": {"type": "integer"},
+        "statistic_share": {"type": _NUMBER},  # null: no MoE aux loss in the objective
     },
 }
 

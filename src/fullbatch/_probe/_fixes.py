@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fullbatch._probe._engines import Engine
+from fullbatch._probe._window_stat import NAMED
 
 __all__ = ["fix"]
 
@@ -11,6 +12,21 @@ _ACCUMULATOR = (
     "window.backward(loss_sum, count): it divides by the window's item count over every "
     "micro-batch and rank"
 )
+
+
+def _moe_route(engine: Engine) -> str:
+    """Where the MoE load-balancing loss is exact over a window (docs/moe.md)."""
+    if engine.package == "transformers" and not engine.fullbatch:
+        return (
+            "use fullbatch.hf.ExactTrainer(..., loss='causal_lm') in place of the Trainer (a "
+            "pre-pass gives every micro-batch the window's counts; docs/moe.md)"
+        )
+    return (
+        "counts = window.stats(fn) with fn returning fb.moe.router_counts(out.router_logits, "
+        "top_k=k, attention_mask=...), and coef * fb.moe.load_balancing(out.router_logits, "
+        "counts, attention_mask=...) added to each micro-batch's loss in fb.Accumulator "
+        "(docs/moe.md)"
+    )
 
 
 def _route(engine: Engine) -> str:
@@ -101,6 +117,8 @@ def fix(pattern: str, engine: Engine, refused: str | None = None) -> str:
         )
     if pattern == "counted twice":
         return f"Fix: one backward per micro-batch (sum its loss terms first), or {_route(engine)}."
+    if pattern == NAMED:
+        return f"Fix: take the routing counts over the whole window: {_moe_route(engine)}."
     if pattern == "loss differs":
         return (
             "Fix: declare the loss you train, objective=fn(model, micro) -> (loss_sum, count) "

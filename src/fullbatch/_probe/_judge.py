@@ -65,6 +65,7 @@ from fullbatch._probe._fixes import fix
 from fullbatch._probe._judge_step import clip_note, step_findings
 from fullbatch._probe._measured import Measured
 from fullbatch._probe._patterns import SLACK, matching, shapes
+from fullbatch._probe._window_stat import with_statistic
 
 __all__ = ["SPAN_FACTOR", "Judgement", "Z", "judge"]
 
@@ -382,6 +383,7 @@ def _judge(m: Measured, k_max: int) -> Judgement:
     leftover_off = abs(f.leftover) > _margin(f.leftover_stderr, m.unit)
     error_over = not m.error <= m.tolerance
     differ = m.ranks_differ > m.tolerance
+    stat = m.statistic if m.statistic is not None and m.statistic.error > m.tolerance else None
     unit = _in_unit(m) if (off or factor_off) and not (leftover_off or differ) else None
     if unit is not None:
         name, c = unit
@@ -393,7 +395,7 @@ def _judge(m: Measured, k_max: int) -> Judgement:
             f"per-row sum alike, so the step is the full batch's in that unit "
             f"({m.engine.name}).",
         )
-    if not (off or factor_off or leftover_off or error_over or differ):
+    if not (off or factor_off or leftover_off or error_over or differ or stat):
         return Judgement(
             True,
             "right",
@@ -401,20 +403,16 @@ def _judge(m: Measured, k_max: int) -> Judgement:
             f"({m.objective}) over these {len(m.counts)} micro-batches ({m.engine.name}).",
         )
     if differ:
-        pattern, text = (
-            "ranks differ",
-            (
-                f"ranks differ: the gradients about to be applied differ between ranks by "
-                f"{m.ranks_differ:.2g} (relative), so the replicas would diverge"
-            ),
+        pattern = "ranks differ"
+        text = (
+            f"ranks differ: the gradients about to be applied differ between ranks by "
+            f"{m.ranks_differ:.2g} (relative), so the replicas would diverge"
         )
     elif leftover_off:
-        pattern, text = (
-            "leftover gradient",
-            (
-                f"leftover gradient: the window started with gradients from before it, kept with "
-                f"weight {_pm(f.leftover, f.leftover_stderr)}"
-            ),
+        pattern = "leftover gradient"
+        text = (
+            f"leftover gradient: the window started with gradients from before it, kept with "
+            f"weight {_pm(f.leftover, f.leftover_stderr)}"
         )
     elif off or factor_off:
         pattern, text = _named(m, off, k_max)
@@ -429,5 +427,8 @@ def _judge(m: Measured, k_max: int) -> Judgement:
                 "step(), or a loss that differs from the declared objective"
             ),
         )
-    also = ("mean of per-micro-batch means",) if text.startswith(_BOTH) else ()
-    return Judgement(False, pattern, text, patterns=(pattern, *also))
+    named = (pattern, "mean of per-micro-batch means") if text.startswith(_BOTH) else (pattern,)
+    if stat is not None:  # a MoE window's load balancing per micro-batch: named with its share
+        first, said, every = with_statistic(stat, named, text)
+        return Judgement(False, first, said, patterns=every)
+    return Judgement(False, pattern, text, patterns=named)

@@ -21,6 +21,7 @@ from fullbatch._probe._fit import Fit, fit
 from fullbatch._probe._measured import NO_FIT, ClipMeasured, Measured, PartMeasured, StepAsked
 from fullbatch._probe._whole import whole_fit
 from fullbatch._probe._window import OpenWindow
+from fullbatch._probe._window_stat import decompose
 from fullbatch._proof._tolerance import tolerance, unit_roundoff
 
 __all__ = ["close"]
@@ -112,7 +113,8 @@ def close(open_window: OpenWindow) -> Measured:
 
     counts_local = rec.counts if rec is not None else []
     local_rows = torch.zeros(len(counts_local), m_local + 1, dtype=torch.float64)
-    vectors = torch.zeros(4, m_local + 1, dtype=torch.float64)  # applied/clip, leftover, δ, raw
+    # applied/clip, leftover, δ, raw; a MoE window's aux gradients: own counts, the window's
+    vectors = torch.zeros(4 if w.moe is None else 6, m_local + 1, dtype=torch.float64)
     if rec is not None and w.sampler is not None and w.applied is not None:
         assert w.divisor is not None
         local_rows[:, 0] = torch.tensor(counts_local, dtype=torch.float64)
@@ -124,12 +126,15 @@ def close(open_window: OpenWindow) -> Measured:
         if rec.delta is not None:
             vectors[2, 1:] = rec.delta
         vectors[3, 1:] = w.applied
+        if w.moe is not None and w.moe.own is not None:
+            vectors[4, 1:] = w.moe.own
+            vectors[5, 1:] = sum(w.moe.win)
     rows = _gather_rows(sync, local_rows, [(k, m + 1) for k, m in sizes])
-    all_vectors = _gather_rows(sync, vectors, [(4, m + 1) for _, m in sizes])
+    all_vectors = _gather_rows(sync, vectors, [(len(vectors), m + 1) for _, m in sizes])
     m_max = max(m for _, m in sizes)
     with_sampler = [r for r, (_, m) in enumerate(sizes) if m == m_max and m > 0]
     counts = tuple(float(v) for r in rows for v in r[:, 0].tolist())
-    differ, result = 0.0, NO_FIT
+    differ, result, statistic = 0.0, NO_FIT, None
     parts: tuple[PartMeasured, ...] = ()
     if with_sampler and k_total > 0:
         first = all_vectors[with_sampler[0]]
@@ -140,6 +145,12 @@ def close(open_window: OpenWindow) -> Measured:
         samples = torch.cat([r[:, 1:] for r in rows if r.shape[1] == m_max + 1 and r.shape[0]])
         left = sum(all_vectors[r][1, 1:] for r in with_sampler) / len(with_sampler)
         banded = max(with_sampler, key=lambda r: float(every[r, 4]))
+        judged = first[0, 1:]  # the applied gradient the weights are fitted on
+        if w.moe is not None:  # its aux part measured, the cross-entropy part fitted
+            own, win = (torch.stack([all_vectors[r][i, 1:] for r in with_sampler]).sum(0)
+                        for i in (4, 5))  # fmt: skip
+            kept = left if isinstance(left, torch.Tensor) else None
+            statistic, judged = decompose(samples, judged, kept, own, win, count, w.moe.aux.coef)
 
         def fitted(mask: torch.Tensor | None) -> Fit:
             pick = slice(None) if mask is None else mask
@@ -148,7 +159,7 @@ def close(open_window: OpenWindow) -> Measured:
             if share == 0:
                 return NO_FIT
             return fit(
-                sub, left[pick] if isinstance(left, torch.Tensor) else None, first[0, 1:][pick],
+                sub, left[pick] if isinstance(left, torch.Tensor) else None, judged[pick],
                 count, delta=delta * math.sqrt(whole / share), unit=held, counts=counts,
                 band_count=float(every[banded, 5]),
             )  # fmt: skip
@@ -179,6 +190,7 @@ def close(open_window: OpenWindow) -> Measured:
         problem=problem, problem_pattern=pattern, parts=parts, no_backward=window.no_backward,
         clips=clips, asked=asked, units=w.units, clip_source=last.source if last else "",
         objective_source=w.objective_source, refused=w.refused, per_micro=per_micro,
+        statistic=statistic,
     )  # fmt: skip
 
 

@@ -22,13 +22,16 @@ from fullbatch._probe._call_loss import ObjectiveFn
 from fullbatch._probe._capture import Call
 from fullbatch._proof._reorder import reverse_rows
 
-__all__ = ["Grads", "dropout_active", "grads_of", "replay", "reversed_call", "rows_of"]
+__all__ = [
+    "Grads", "dropout_active", "grads_of", "replay", "replaying", "reversed_call", "rows_of",
+]  # fmt: skip
 
 Grads = list[torch.Tensor | None]
 
 
 @contextlib.contextmanager
-def _replaying(call: Call) -> Iterator[None]:
+def replaying(call: Call) -> Iterator[None]:
+    """Run inside as ``call`` ran: its RNG state restored, its autocast regions re-entered."""
     call.rng.restore()
     regions = dict(call.autocast)
     with contextlib.ExitStack() as stack:
@@ -130,6 +133,6 @@ def replay(
     call: Call, objective: ObjectiveFn, params: list[nn.Parameter], scale: float
 ) -> tuple[Grads, float]:
     """The gradients of ``scale · loss_sum`` of one call under ``objective``, and its count."""
-    with _replaying(call):
+    with replaying(call):
         loss, count = objective(call.module, call)
     return grads_of(loss * scale if scale != 1.0 else loss, params), count

@@ -76,8 +76,9 @@ class WindowCheck:
             ``"dropped"``, ``"counted twice"``, ``"leftover gradient"``, ``"ranks differ"``,
             ``"partial window"``, ``"per-rank count"``, ``"loss differs"``, ``"scaled clip"``,
             ``"clip differs"``, ``"nothing to check"``, ``"unsupported"``, ``"coupled loss"``
-            (a callable objective whose rows interact: not judged per micro-batch) or
-            ``"other"``.
+            (a callable objective whose rows interact: not judged per micro-batch), ``"a window
+            statistic taken per micro-batch"`` (a MoE model's load balancing per micro-batch;
+            ``statistic_share``) or ``"other"``.
         engine: who stepped the optimizer (e.g. ``"transformers.Trainer"``).
         objective: the declared objective's name.
         ranks: micro-batches per rank (one entry in a single process).
@@ -98,6 +99,10 @@ class WindowCheck:
         objective_source: where the objective came from (``"declared"``, ``"inferred from
             GPT2LMHeadModel"``, ``"fullbatch.hf.ExactTrainer(loss='token')"``).
         per_optimizer: the same as ``optimizers``, as data (:class:`OptimizerCheck`).
+        statistic_share: under ``causal_lm+moe`` (a MoE model's router aux loss), the share of
+            the error that its load-balancing loss taken per micro-batch explains ("a window
+            statistic taken per micro-batch", docs/moe.md); 0.0 where it adds no error (the
+            window's routing counts were used); None under any other objective.
     """
 
     step: int
@@ -126,6 +131,7 @@ class WindowCheck:
     clip_asked: str = ""
     objective_source: str = ""
     per_optimizer: tuple[OptimizerCheck, ...] = ()
+    statistic_share: float | None = None
 
     def __str__(self) -> str:
         rank_text = f" on {len(self.ranks)} ranks" if len(self.ranks) > 1 else ""
@@ -157,6 +163,11 @@ class WindowCheck:
             lines.append(f"  {what} saw norm {self.clip[1]:.4g}: compared before the clip")
         if self.clip_asked:
             lines.append(f"  clip: {self.clip_asked}")
+        if self.statistic_share is not None:
+            lines.append(
+                "  load balancing (router aux loss) per micro-batch: "
+                f"{self.statistic_share:.0%} of the error"
+            )
         lines += [f"  {line}" for line in self.optimizers]
         if self.no_backward:
             n = self.no_backward

@@ -34,6 +34,7 @@ from fullbatch._probe._failures import gave_up, run_failed, unsupported
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
+from fullbatch._probe._moe_objective import MOE
 from fullbatch._probe._report import ProbeReport
 from fullbatch._probe._sample import Sampler
 from fullbatch._probe._trainer_objective import ObjectiveUnknown, trainer_objective
@@ -67,7 +68,8 @@ class Probe:
         self.limit = window_limit(windows)
         if isinstance(ranks, str) and ranks != "local":
             raise ValueError(f"ranks={ranks!r}: pass None, 'local' or a process group.")
-        objective = check_objective(objective)  # an earlier release's name: warned, renamed
+        if objective != MOE:  # causal_lm+moe: the probe's own (docs/moe.md)
+            objective = check_objective(objective)  # an earlier release's name: warned, renamed
         self.coupled = check_coupled(coupled, objective)
         self.optimizer = None if optimizer is None else inner_optimizer(optimizer)
         self.objective, self.ranks, self.stop = objective, ranks, stop
@@ -384,7 +386,9 @@ def probe(
             (DDP and Lightning's wrappers looked through).
         optimizer: the optimizer whose steps end windows; default: every one that steps
             (several stepped together end one window, and all their parameters are checked).
-        objective: ``"causal_lm"``, ``"token"``, ``"sample"``, ``fn(model, micro) ->
+        objective: ``"causal_lm"``, ``"token"``, ``"sample"``, ``"causal_lm+moe"`` (a
+            transformers MoE model's cross-entropy plus its load balancing over the window;
+            inferred for one whose forward adds it: docs/moe.md), ``fn(model, micro) ->
             (loss_sum, count)`` (``micro``: the engine's micro-batch, e.g. the Trainer's
             ``inputs``), or None to infer it from a Hugging Face head.
         windows: how many windows to check: a positive int; None, the first two (a gradient

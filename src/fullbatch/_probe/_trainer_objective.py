@@ -24,6 +24,10 @@ run (before any backward: nothing has moved yet), the engine found above it
 TRL's classes are recognised with ``issubclass`` against TRL's own (looked up only where a
 class of that name from the ``trl`` package is among the trainer's bases, so nothing new is
 imported), any other class from ``trl`` is refused by its name.
+
+On a transformers MoE model whose forward adds its router aux loss, a trainer's
+``"causal_lm"`` is ``"causal_lm+moe"`` (:mod:`fullbatch._probe._moe_objective`): the trainer
+trains the load balancing too.
 """
 
 from __future__ import annotations
@@ -160,11 +164,23 @@ def trainer_objective(engine: Engine) -> tuple[Any, str] | None:
     if engine.fullbatch:
         loss = getattr(trainer, "fb_loss", None)
         if isinstance(loss, str):
-            return ("token" if loss == "seq2seq" else loss), f"{engine.name}(loss={loss!r})"
+            kind = "token" if loss == "seq2seq" else loss
+            return _router(kind, trainer), f"{engine.name}(loss={loss!r})"
         known = _trl(cls, trainer)
         if known is not None:
-            return known[0], engine.name + known[1].split(cls.__name__, 1)[-1]
+            return _router(known[0], trainer), engine.name + known[1].split(cls.__name__, 1)[-1]
         why = "its loss is a function" if callable(loss) else "its loss is its exact_loss()"
         raise _declare(engine.name, why)
     known = _trl(cls, trainer)
-    return known if known is not None else _hf(cls, trainer)
+    if known is not None:
+        return _router(known[0], trainer), known[1]
+    return _hf(cls, trainer)
+
+
+def _router(kind: str, trainer: Any) -> str:
+    """``causal_lm+moe`` where the trainer's model adds a router aux loss (a transformers MoE
+    model: the trainer trains its load balancing too); ``kind`` otherwise."""
+    from fullbatch._probe._moe_objective import moe_kind
+
+    model = getattr(trainer, "model", None)
+    return moe_kind(kind, model, declared=False) if model is not None else kind

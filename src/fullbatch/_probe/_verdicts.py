@@ -41,6 +41,7 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
             counts=m.counts, clip_source=m.clip_source, clip_asked=_asked(m),
             objective_source=m.objective_source,
             per_optimizer=_per_optimizer(m, verdict.parts),
+            statistic_share=_share(m),
         )  # fmt: skip
         checks.append(check)
     said = list(problems)
@@ -51,6 +52,15 @@ def report_of(measured: list[Measured], problems: list[str], limit: int | None) 
         )
     engines = ", ".join(sorted({m.engine.name for m in measured}))
     return ProbeReport(tuple(checks), tuple(said), engines, limit)
+
+
+def _share(m: Measured) -> float | None:
+    """The share of the error a per-micro-batch load-balancing loss explains (MoE windows);
+    0.0 where it is within the tolerance (nothing of it to name)."""
+    stat = m.statistic
+    if stat is None:
+        return None
+    return stat.share if stat.error > m.tolerance else 0.0
 
 
 def _per_optimizer(m: Measured, lines: tuple[str, ...]) -> tuple[OptimizerCheck, ...]:

@@ -34,6 +34,7 @@ from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._coupled import coupling
 from fullbatch._probe._engines import Engine
+from fullbatch._probe._moe_objective import MOE, MoeWindow, moe_kind, prepare
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._probe._whole import Whole, whole_window
@@ -170,6 +171,7 @@ class OpenWindow:
     refused: str | None = None  # why fullbatch's routes refuse the engine's configuration
     coupled: str | None = None  # why a callable objective cannot be judged per micro-batch
     whole: Whole | None = None  # a declared coupled objective: its reference over the window
+    moe: MoeWindow | None = None  # a MoE window's routing and aux gradients (causal_lm+moe)
     _where: dict[int, int] = field(default_factory=dict)
     _spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -213,16 +215,24 @@ class OpenWindow:
         # The coupling checks run the model again, on this rank alone: only where that fires no
         # engine's collectives and changes no engine state (one process, gradients in .grad).
         alone = sync.world == 1 and isinstance(reader, GradApplied)
+        moe: MoeWindow | None = None
         if mine:
             assert sampler is not None
             try:
                 name, fn = resolve(objective, mine[0].module)
+                name = moe_kind(name, mine[0].module, declared=objective is not None)
                 with reader.replaying():
+                    if name == MOE:  # the window's routing first: its aux term needs it
+                        wrt = reader.wrt()
+                        targets = list(candidates) if wrt is None else wrt
+                        fn, moe = prepare(mine, sync, sampler, candidates, targets, reader.whole)
                     rec = recompute(
                         mine, candidates, sampler, fn, wrt=reader.wrt(), whole=reader.whole
                     )
                     if coupled:
                         whole = whole_window(mine, candidates, sampler, fn, name=name, alone=alone)
+                if moe is not None:  # the fit's columns: each call's cross-entropy alone
+                    rec.samples = moe.cross_entropy(rec.samples)
             except (ValueError, TypeError, RuntimeError) as raised:
                 failure = raised
         counts = rec.counts if rec is not None else []
@@ -250,6 +260,12 @@ class OpenWindow:
                   _names(modules))  # fmt: skip
         out._where = {id(p): i for i, p in enumerate(candidates)}
         out.objective_source = _source(objective, objective_source, mine)
+        out.moe = moe
+        if moe is not None and out.objective_source.startswith("inferred"):
+            out.objective_source += (
+                f" with its router aux loss (router_aux_loss_coef={moe.aux.coef:g}, top-"
+                f"{moe.aux.top_k}: load balancing over the window)"
+            )
         out.units = _units(name, mine)
         out.whole = whole if whole is not None and whole.rec is not None else None
         if whole is not None:

@@ -1,0 +1,225 @@
+"""The objective of a transformers MoE model: the window's cross-entropy plus its load balancing.
+
+A model whose forward adds a router aux loss (``output_router_logits`` and a nonzero
+``router_aux_loss_coef``: :func:`fullbatch._base._moe.moe_aux_of`) trains, on one full batch,
+``CE_sum / N + coef · LB(window)``: the token-mean cross-entropy and transformers'
+``load_balancing_loss_func`` over the whole window (all layers pooled, ``attention_mask``
+respected, top-k). That is the probe's objective :data:`MOE` (``"causal_lm+moe"``): inferred for
+such a model (``objective=None``), or declared; ``objective="causal_lm"`` declares the aux off.
+
+``LB(window)`` takes its routing counts from every micro-batch of the window and rank, so the
+reference needs them before the first replay: :func:`prepare` runs a no-grad pre-pass over
+the window's recorded calls (each from its own RNG state), sums ``fb.moe.router_counts`` and the
+item count ``N`` over the ranks, and returns the per-call objective ``CE_k + N · coef ·
+load_balancing(k, window counts)`` (the terms sum to ``N`` times the full batch's loss, as
+``fullbatch.hf.ExactTrainer`` computes it: one source, :mod:`fullbatch._base._moe`). It also
+takes, on the sampled coordinates, each call's aux gradient with the window's counts and with
+its own (the stock per-micro-batch loss): the columns the judge's diagnosis fits
+(:mod:`fullbatch._probe._window_stat`, "a window statistic taken per micro-batch").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
+from fullbatch._base._rng import RngState
+from fullbatch._base._sync._probe import sum_tensors
+from fullbatch._probe._call_loss import LOSS_ONLY, ObjectiveFn
+from fullbatch._probe._capture import Call
+from fullbatch._probe._replay import grads_of, replaying
+from fullbatch._probe._sample import Sampler
+from fullbatch._proof._objective import logits_of, objective_count, objective_loss, unwrapped
+
+__all__ = ["MOE", "MoeWindow", "aux_of", "moe_kind", "prepare"]
+
+#: The objective of a transformers MoE model with its router aux loss on.
+MOE = "causal_lm+moe"
+
+
+def aux_of(module: nn.Module) -> MoeAux | None:
+    """The router aux loss ``module`` (or the model in a known wrapper) adds, or None."""
+    return moe_aux_of(unwrapped(module))
+
+
+def moe_kind(kind: str, module: nn.Module, *, declared: bool) -> str:
+    """The objective to judge ``module`` under: an inferred (or trainer-given) ``"causal_lm"``
+    becomes :data:`MOE` on a model that adds a router aux loss; a declared :data:`MOE` on one
+    that adds none is refused (naming the config and the fix); anything else is ``kind``.
+
+    >>> moe_kind("causal_lm", nn.Linear(1, 1), declared=False)
+    'causal_lm'
+    """
+    aux = aux_of(module)
+    if kind == MOE and aux is None:
+        raise ValueError(
+            f"objective={MOE!r}: {type(unwrapped(module)).__name__} adds no router aux loss "
+            "(its config needs output_router_logits=True and a nonzero router_aux_loss_coef); "
+            "declare objective='causal_lm' for its cross-entropy alone."
+        )
+    if kind == "causal_lm" and aux is not None and not declared:
+        return MOE
+    return kind
+
+
+@dataclass
+class MoeWindow:
+    """A MoE window's routing and its aux gradients on the sampled coordinates (this rank).
+
+    Attributes:
+        aux: the model's ``router_aux_loss_coef`` and top-k.
+        counts: the window's routing counts over every micro-batch and rank.
+        items: ``N``, the window's cross-entropy item count over every rank.
+        win: per call, the sampled ``∇ coef · load_balancing(k, window counts)``.
+        own: ``Σ_k`` the sampled ``∇ coef · load_balancing(k, k's own counts)``: the stock
+            per-micro-batch aux loss's gradient.
+    """
+
+    aux: MoeAux
+    counts: dict[str, torch.Tensor]
+    items: float
+    win: list[torch.Tensor] = field(default_factory=list)
+    own: torch.Tensor | None = None
+
+    def cross_entropy(self, samples: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each call's sampled ``∇CE_k`` from its sampled ``∇S_k = ∇CE_k + N ∇A_k(window)``."""
+        return [s - self.items * w for s, w in zip(samples, self.win, strict=True)]
+
+
+def _given(call: Call) -> dict[str, Any]:
+    kwargs = {k: v for k, v in call.kwargs.items() if k not in LOSS_ONLY}
+    return {**kwargs, "output_router_logits": True}
+
+
+def _router_logits(out: Any) -> Any:
+    logits = getattr(out, "router_logits", None)
+    if logits is None:
+        raise ValueError(
+            f"objective={MOE!r}: the model returned no router_logits with "
+            "output_router_logits=True; declare objective='causal_lm' (the aux loss off) or "
+            "objective=fn(model, micro) -> (loss_sum, count)."
+        )
+    return logits
+
+
+def _labels(call: Call) -> tuple[torch.Tensor, bool]:
+    labels, shifted = call.labels()
+    if labels is None:
+        raise ValueError(
+            f"objective={MOE!r} needs labels, but the model received none and none were found "
+            "around its call; pass them to the model or declare objective=fn(model, micro)."
+        )
+    return labels, shifted
+
+
+def _experts(module: nn.Module) -> int:
+    """The model's experts per layer, from its config (Mixtral's ``num_local_experts``,
+    Qwen3-MoE's and OLMoE's ``num_experts``)."""
+    config = getattr(unwrapped(module), "config", None)
+    text = (
+        config.get_text_config()
+        if config is not None and hasattr(config, "get_text_config")
+        else config
+    )
+    for name in ("num_local_experts", "num_experts"):
+        value = getattr(text, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        f"objective={MOE!r}: {type(unwrapped(module)).__name__}'s config names no number of "
+        "experts (num_local_experts or num_experts); declare objective=fn(model, micro)."
+    )
+
+
+def _routing(calls: list[Call], aux: MoeAux, sync: Any) -> tuple[dict[str, torch.Tensor], float]:
+    """The pre-pass: every call's routing counts and items, summed over the window and ranks in
+    one reduction (each forward from its call's RNG state; the RNG put back after). A rank
+    whose pre-pass fails still joins the reduction, flagged, and every rank then raises."""
+    rng = RngState()
+    total = torch.zeros(_experts(calls[0].module) + 3, dtype=torch.float64)  # [C, R, N, failed]
+    failed: Exception | None = None
+    try:
+        with torch.no_grad():
+            for call in calls:
+                with replaying(call):
+                    out = call.module(*call.args, **_given(call))
+                mask = call.kwargs.get("attention_mask")
+                c = router_counts(_router_logits(out), top_k=aux.top_k, attention_mask=mask)
+                labels, shifted = _labels(call)
+                total[:-3] += c["experts"].cpu()
+                total[-3] += c["rows"].cpu()
+                total[-2] += objective_count("causal_lm", labels, shifted=shifted)
+    except (ValueError, TypeError, RuntimeError) as error:
+        failed, total[-1] = error, 1.0
+    finally:
+        rng.restore()
+    if sync.world > 1:
+        ids = calls[0].kwargs.get("input_ids")
+        total = total.to(ids.device if isinstance(ids, torch.Tensor) else "cpu")
+        sum_tensors([total], sync.group)
+        total = total.cpu()
+    if failed is not None:
+        raise failed
+    if total[-1] > 0:
+        raise RuntimeError(f"objective={MOE!r}: the routing pre-pass failed on another rank.")
+    return {"experts": total[:-3], "rows": total[-3]}, float(total[-2])
+
+
+def _aux_columns(
+    window: MoeWindow, calls: list[Call], targets: list[Any], sampler: Sampler,
+    pick: list[int], whole: Callable[[list[Any]], list[Any]],
+) -> None:  # fmt: skip
+    """Each call's sampled aux gradient with the window's counts, and their sum with each
+    call's own counts (one forward per call, two ``torch.autograd.grad``; no ``.grad``)."""
+    coef, own = window.aux.coef, None
+    rng = RngState()
+    try:
+        with torch.enable_grad():
+            for call in calls:
+                with replaying(call):
+                    out = call.module(*call.args, **_given(call))
+                logits, mask = _router_logits(out), call.kwargs.get("attention_mask")
+                mine = router_counts(logits, top_k=window.aux.top_k, attention_mask=mask)
+                g_own = grads_of(coef * load_balancing(logits, mine, attention_mask=mask),
+                                 targets, retain=True)  # fmt: skip
+                g_win = grads_of(coef * load_balancing(logits, window.counts, attention_mask=mask),
+                                 targets)  # fmt: skip
+                g_own, g_win = whole(g_own), whole(g_win)
+                window.win.append(sampler.take([g_win[j] for j in pick]))
+                taken = sampler.take([g_own[j] for j in pick])
+                own = taken if own is None else own + taken
+    finally:
+        rng.restore()
+    window.own = own
+
+
+def prepare(
+    calls: list[Call], sync: Any, sampler: Sampler, params: list[Any], targets: list[Any],
+    whole: Callable[[list[Any]], list[Any]] | None = None,
+) -> tuple[ObjectiveFn, MoeWindow]:  # fmt: skip
+    """The window's objective on each recorded call, and its :class:`MoeWindow` (module
+    docstring). ``params``: the reference's parameters (the sampler's are among them);
+    ``targets``: what to differentiate in their place; ``whole``: what makes gradients whole."""
+    aux = aux_of(calls[0].module)
+    if aux is None:
+        raise ValueError(moe_kind(MOE, calls[0].module, declared=True))  # raises, naming why
+    counts, items = _routing(calls, aux, sync)
+    window = MoeWindow(aux, counts, items)
+    where = {id(p): i for i, p in enumerate(params)}
+    pick = [where[id(p)] for p in sampler.params]
+    _aux_columns(window, calls, targets, sampler, pick, whole or (lambda g: g))
+
+    def objective(module: nn.Module, call: Call) -> tuple[torch.Tensor, float]:
+        labels, shifted = _labels(call)
+        out = module(*call.args, **_given(call))
+        loss_sum, count = objective_loss("causal_lm", logits_of(out), labels, shifted=shifted)
+        lb = load_balancing(_router_logits(out), counts,
+                            attention_mask=call.kwargs.get("attention_mask"))  # fmt: skip
+        return loss_sum + (items * aux.coef) * lb.to(loss_sum.dtype), float(count)
+
+    return objective, window
