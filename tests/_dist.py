@@ -8,6 +8,7 @@ forkserver that has imported torch once, so each run costs little start-up.
 from __future__ import annotations
 
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -20,9 +21,42 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 # DDP imports torch._dynamo on construction (seconds): import it once, in the server.
-_CTX.set_forkserver_preload(
-    ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel", "fullbatch"]
-)
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel", "fullbatch"]
+_CTX.set_forkserver_preload(_PRELOAD)
+# What the ranks of each framework's tests import, by the top-level package a test imports.
+FRAMEWORKS = {
+    "transformers": ("transformers.trainer", "fullbatch.hf"),
+    "trl": (
+        "trl.trainer.grpo_trainer",
+        "trl.trainer.sft_trainer",
+        "trl.trainer.dpo_trainer",
+        "fullbatch.trl",
+    ),
+    "datasets": ("datasets",),
+}
+
+
+def preload_frameworks(imported: Any) -> list[str]:
+    """Have the forkserver import, once, the frameworks whose top-level package is in
+    ``imported`` (the collected test modules' ``sys.modules``); return the modules it will.
+
+    A rank of a Hugging Face or TRL test otherwise spends about 4 s of CPU importing
+    ``transformers.trainer`` and TRL's trainers. Each module is imported here first: one that
+    fails is left out (its tests report the error), since the server's start-up survives only
+    an ``ImportError``. Call it before the first rank starts (conftest.py, after collection).
+    """
+    names = []
+    for top, modules in FRAMEWORKS.items():
+        if top not in imported:
+            continue
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # left to the tests that use it, which report it
+                continue
+            names.append(name)
+    _CTX.set_forkserver_preload(_PRELOAD + names)
+    return names
 
 
 @dataclass

@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The ranks' forkserver (tests/_dist.py) imports the frameworks the collected tests
+    imported, once, instead of every rank of every multi-process test importing them (about
+    4 s of CPU per rank of a Hugging Face or TRL test)."""
+    import sys
+
+    from _dist import preload_frameworks
+
+    preload_frameworks(sys.modules)
+
+
 def from_fullbatch(filename: str) -> bool:
     """Whether ``filename`` is a module of the installed fullbatch package.
 
