@@ -157,3 +157,27 @@ def values(results: list[RankResult]) -> list[Any]:
     bad = [r for r in results if not r.ok]
     assert not bad, "\n".join(f"rank {r.rank}: {r.error_type}: {r.error}" for r in bad)
     return [pickle.loads(r.value) for r in results]
+
+
+def several(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Any:
+    """Rank function running each ``(fn, args)`` of ``calls`` in turn, on one launch of the
+    world: one process group and one start-up for checks that would each launch their own.
+
+    Returns ``[(True, value) | (False, traceback), ...]``; :func:`one_of` hands a test its
+    call's value or fails it with that call's own error, so the other calls' tests still pass.
+    """
+    out: list[tuple[bool, Any]] = []
+    for fn, args in calls:
+        try:
+            out.append((True, fn(rank, world, *args)))
+        except Exception as exc:  # this call's test reports it; the next call still runs
+            out.append((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    return out
+
+
+def one_of(results: list[Any], index: int) -> list[Any]:
+    """Every rank's value of call ``index`` of a :func:`several` launch, or an AssertionError
+    with each failing rank's error of that call."""
+    bad = [f"rank {r}: {res[index][1]}" for r, res in enumerate(results) if not res[index][0]]
+    assert not bad, "\n".join(bad)
+    return [res[index][1] for res in results]
