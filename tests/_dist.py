@@ -8,6 +8,7 @@ forkserver that has imported torch once, so each run costs little start-up.
 from __future__ import annotations
 
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -20,9 +21,42 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 # DDP imports torch._dynamo on construction (seconds): import it once, in the server.
-_CTX.set_forkserver_preload(
-    ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel", "fullbatch"]
-)
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel", "fullbatch"]
+_CTX.set_forkserver_preload(_PRELOAD)
+# What the ranks of each framework's tests import, by the top-level package a test imports.
+FRAMEWORKS = {
+    "transformers": ("transformers.trainer", "fullbatch.hf"),
+    "trl": (
+        "trl.trainer.grpo_trainer",
+        "trl.trainer.sft_trainer",
+        "trl.trainer.dpo_trainer",
+        "fullbatch.trl",
+    ),
+    "datasets": ("datasets",),
+}
+
+
+def preload_frameworks(imported: Any) -> list[str]:
+    """Have the forkserver import, once, the frameworks whose top-level package is in
+    ``imported`` (the collected test modules' ``sys.modules``); return the modules it will.
+
+    A rank of a Hugging Face or TRL test otherwise spends about 4 s of CPU importing
+    ``transformers.trainer`` and TRL's trainers. Each module is imported here first: one that
+    fails is left out (its tests report the error), since the server's start-up survives only
+    an ``ImportError``. Call it before the first rank starts (conftest.py, after collection).
+    """
+    names = []
+    for top, modules in FRAMEWORKS.items():
+        if top not in imported:
+            continue
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # left to the tests that use it, which report it
+                continue
+            names.append(name)
+    _CTX.set_forkserver_preload(_PRELOAD + names)
+    return names
 
 
 @dataclass
@@ -123,3 +157,27 @@ def values(results: list[RankResult]) -> list[Any]:
     bad = [r for r in results if not r.ok]
     assert not bad, "\n".join(f"rank {r.rank}: {r.error_type}: {r.error}" for r in bad)
     return [pickle.loads(r.value) for r in results]
+
+
+def several(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Any:
+    """Rank function running each ``(fn, args)`` of ``calls`` in turn, on one launch of the
+    world: one process group and one start-up for checks that would each launch their own.
+
+    Returns ``[(True, value) | (False, traceback), ...]``; :func:`one_of` hands a test its
+    call's value or fails it with that call's own error, so the other calls' tests still pass.
+    """
+    out: list[tuple[bool, Any]] = []
+    for fn, args in calls:
+        try:
+            out.append((True, fn(rank, world, *args)))
+        except Exception as exc:  # this call's test reports it; the next call still runs
+            out.append((False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    return out
+
+
+def one_of(results: list[Any], index: int) -> list[Any]:
+    """Every rank's value of call ``index`` of a :func:`several` launch, or an AssertionError
+    with each failing rank's error of that call."""
+    bad = [f"rank {r}: {res[index][1]}" for r, res in enumerate(results) if not res[index][0]]
+    assert not bad, "\n".join(bad)
+    return [res[index][1] for res in results]

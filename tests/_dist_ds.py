@@ -13,7 +13,12 @@ environment DeepSpeed needs on a CPU machine before it imports ``deepspeed``:
   ninja, once) the first time a process group is wrapped, into ``TORCH_EXTENSIONS_DIR``:
   unless set, one folder per Python environment (:func:`extensions_dir`), because a build
   shared by two environments (two deepspeed versions) is rebuilt by each, and one killed
-  halfway leaves a ``lock`` file on which every later run waits forever.
+  halfway leaves a ``lock`` file on which every later run waits forever. A session that
+  collected a DeepSpeed test builds it once in the background from the start
+  (:func:`start_build`, from conftest.py), on the core the single-process tests leave idle, and
+  :func:`run_ds` waits for that build before its ranks load it; a ``lock`` older than
+  :data:`STALE_LOCK_S` is removed first, and a build the session ends halfway is killed and
+  its ``lock`` removed.
 - :func:`config` writes the DeepSpeed config that runs here: fp32, a torch optimizer passed
   to ``deepspeed.initialize`` (``zero_allow_untested_optimizer``; ``zero_force_ds_cpu_optimizer
   = false`` keeps ZeRO-Offload from building ``cpu_adam``, minutes of compiling),
@@ -35,9 +40,13 @@ killed at ``deadline`` and reported as ``Timeout``.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +58,7 @@ __all__ = [
     "extensions_dir",
     "run_ds",
     "set_env",
+    "start_build",
     "trainer_config",
     "values",
 ]
@@ -76,6 +86,59 @@ def set_env(rank: int, world: int) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 
+#: a ``lock`` this old is a killed build's: no build of the extension takes 15 minutes here.
+STALE_LOCK_S = 900.0
+# Builds the extension with DeepSpeed's own call (what every rank's first process group runs).
+_BUILD_CODE = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+_build: subprocess.Popen[bytes] | None = None
+
+
+def _lock() -> str:
+    """The ``lock`` torch's loader holds while it builds the extension."""
+    folder = os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())
+    return os.path.join(folder, "deepspeed_shm_comm", "lock")
+
+
+def start_build() -> None:
+    """Build (or find built) ``deepspeed_shm_comm`` in a background process, once a session."""
+    global _build
+    if _build is not None:
+        return
+    lock = _lock()
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+        os.remove(lock)  # a build killed halfway: torch's loader would wait on it forever
+    # MAX_JOBS=1: one compiler at a time, so the build takes the core the tests leave idle
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MAX_JOBS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    started = time.time()
+    _build = subprocess.Popen(
+        [sys.executable, "-c", _BUILD_CODE],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: ninja and the compilers end with it
+    )
+
+    def _stop() -> None:  # a session ending mid-build leaves no compiler and no lock behind
+        if _build is not None and _build.poll() is None:
+            os.killpg(_build.pid, signal.SIGKILL)
+            _build.wait()
+            if os.path.exists(lock) and os.path.getmtime(lock) >= started:
+                os.remove(lock)
+
+    atexit.register(_stop)
+
+
+def _wait_for_build(deadline: float) -> None:
+    """Let the background build finish before ranks load the extension (they would otherwise
+    wait on its ``lock``, inside their own deadline). A failed build is the ranks' to report."""
+    if _build is not None:
+        try:
+            _build.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def _ds_main(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
     set_env(rank, world)
     import logging
@@ -96,6 +159,7 @@ def run_ds(
     One :class:`_dist.RankResult` per rank; :func:`values` unpickles them or fails with every
     bad rank's error.
     """
+    _wait_for_build(deadline)
     return run_ranks(_ds_main, world, fn, *args, pg_timeout=pg_timeout, deadline=deadline)
 
 

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 import _ds_cases as cases
+from _dist import one_of, several
 from _dist_ds import run_ds, values
 
 pytestmark = pytest.mark.timeout(600)
@@ -95,13 +96,25 @@ def test_stock_mean_of_means_is_off(trained: tuple[int, list[dict[Any, Any]]]) -
     assert err > 0.1, err
 
 
-@pytest.mark.parametrize(("stage", "offload"), [(0, False), (2, True), (3, False)])
-def test_non_finite_and_empty_windows_are_skipped(stage: int, offload: bool) -> None:
+SKIPS = [(0, False), (2, True), (3, False)]
+
+
+@pytest.fixture(scope="module")
+def skipped() -> list[Any]:
+    """Every stage of :data:`SKIPS` on one launch of 2 ranks (:func:`_dist.several`)."""
+    calls = [(cases.skips, run) for run in SKIPS]
+    return values(run_ds(several, 2, calls, deadline=500))
+
+
+@pytest.mark.parametrize(("stage", "offload"), SKIPS)
+def test_non_finite_and_empty_windows_are_skipped(
+    stage: int, offload: bool, skipped: list[Any]
+) -> None:
     """A NaN input on the last rank, or a window whose labels are all -100: skipped on every
     rank (DeepSpeed's own overflow skip at ZeRO 1-3; fullbatch's at stage 0; before any
     forward for zero items), parameters and momentum unchanged, one warning; the next window
     steps."""
-    results = values(run_ds(cases.skips, 2, stage, offload, deadline=300))
+    results = one_of(skipped, SKIPS.index((stage, offload)))
     reasons = {"nan": "non-finite loss", "no_items": "no items counted in the window"}
     for rank, res in enumerate(results):
         for mode, reason in reasons.items():
@@ -121,15 +134,22 @@ def test_non_finite_and_empty_windows_are_skipped(stage: int, offload: bool) -> 
             assert r["ran"][1] == (0 if mode == "no_items" else 4)
 
 
-def test_fb_accumulator_refuses_accelerates_deepspeed_engine() -> None:
+@pytest.fixture(scope="module")
+def refused() -> list[Any]:
+    """The two refusals below on one launch of 1 rank (:func:`_dist.several`)."""
+    calls = [(cases.accumulator_refuses, ()), (cases.mismatch, ())]
+    return values(run_ds(several, 1, calls, deadline=200))
+
+
+def test_fb_accumulator_refuses_accelerates_deepspeed_engine(refused: list[Any]) -> None:
     """fullbatch's Accelerate route (fb.Accumulator on what accelerator.prepare returns) cannot
     rescale gradients DeepSpeed has partitioned: it refuses the engine and names ExactEngine,
     which the runs above prove exact on the same prepared engine."""
-    (out,) = values(run_ds(cases.accumulator_refuses, 1, deadline=120))
+    (out,) = one_of(refused, 0)
     assert "is a DeepSpeed engine (DeepSpeedEngine)" in out, out
     assert "fullbatch.deepspeed.ExactEngine" in out and "unchanged=True" in out, out
 
 
-def test_a_count_that_disagrees_with_the_loss_is_refused() -> None:
-    (out,) = values(run_ds(cases.mismatch, 1, deadline=120))
+def test_a_count_that_disagrees_with_the_loss_is_refused(refused: list[Any]) -> None:
+    (out,) = one_of(refused, 1)
     assert "differ from count(micro)" in out and "unchanged=True" in out, out

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 import _ds_trainer_cases as cases
+from _dist import one_of, several
 from _dist_ds import run_ds, values
 from _hf_cases import bert, llama, step_errors, text_rows, torch_reference
 
@@ -122,14 +123,23 @@ def test_configs_that_cannot_be_exact_are_refused() -> None:
     assert "gradient_clipping=0.5 while max_grad_norm=1.0" in out["clip_differs"], out
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_non_finite_and_empty_windows_are_skipped(stage: int) -> None:
+SKIP_STAGES = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def skipped() -> list[Any]:
+    """Both stages of :data:`SKIP_STAGES` on one launch of 2 ranks (:func:`_dist.several`)."""
+    return values(run_ds(several, 2, [(cases.skips, (s,)) for s in SKIP_STAGES], deadline=550))
+
+
+@pytest.mark.parametrize("stage", SKIP_STAGES)
+def test_non_finite_and_empty_windows_are_skipped(stage: int, skipped: list[Any]) -> None:
     """2 ranks, a linear LR schedule: the poisoned window 1 is skipped on every rank (stage 0:
     fullbatch reads the gradients before DeepSpeed's step and clears them; ZeRO 2: the NaN
     scale makes DeepSpeed's overflow check skip; no items: nothing backpropagated), parameters
     exactly as after window 0, the LR schedule not advanced (the Trainer steps it after every
     window: kept and put back), one warning, 2 steps and 1 skip counted; window 2 steps."""
-    results = values(run_ds(cases.skips, 2, stage, deadline=400))
+    results = one_of(skipped, SKIP_STAGES.index(stage))
     reasons = {"nan": "non-finite loss", "no_items": "no items counted in the window"}
     for rank, result in enumerate(results):
         for mode, reason in reasons.items():

@@ -12,6 +12,8 @@ refused with its reason.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ pytest.importorskip("trl")
 
 import _grpo_cases as cases
 import _grpo_ds_cases as ds_cases
+from _dist import one_of, several
 from _dist_ds import run_ds, values
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,10 +41,35 @@ RUNS = {
 }
 
 
+def _runs(world: int) -> list[dict[str, Any]]:
+    return [{"max_steps": 2, "learning_rate": 0.5, **run} for run in RUNS[world]]
+
+
+def _launch(world: int) -> list[Any]:
+    """One launch of ``world`` ranks (:func:`_dist.several`): the training runs, then on 1 rank
+    the stage-0 refusal and on 2 ranks the skipped window."""
+    extra = (ds_cases.refuse_stage0, ()) if world == 1 else (ds_cases.skip, (2,))
+    calls = [(ds_cases.train, (_runs(world),)), extra]
+    return values(run_ds(several, world, calls, deadline=550))
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> list[Any]:
+    return _launch(1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[Any]:
+    return _launch(2)
+
+
 @pytest.mark.parametrize("world", [1, 2], ids=["1-rank", "2-ranks"])
-def test_every_step_is_the_window_objective_under_deepspeed(world: int) -> None:
-    runs = [{"max_steps": 2, "learning_rate": 0.5, **run} for run in RUNS[world]]
-    results = values(run_ds(ds_cases.train, world, runs, deadline=550))
+def test_every_step_is_the_window_objective_under_deepspeed(
+    world: int, request: pytest.FixtureRequest
+) -> None:
+    launch = request.getfixturevalue("one_rank" if world == 1 else "two_ranks")
+    runs = _runs(world)
+    results = one_of(launch, 0)
     for index, run in enumerate(runs):
         for name in results[0][index]:
             ranks = [result[index][name] for result in results]
@@ -65,11 +93,11 @@ def test_every_step_is_the_window_objective_under_deepspeed(world: int) -> None:
                 assert min(errors) > 1e-2, (index, errors)
 
 
-def test_a_non_finite_window_is_skipped() -> None:
+def test_a_non_finite_window_is_skipped(two_ranks: list[Any]) -> None:
     """ZeRO 2, 2 ranks, a NaN loss in the second window on one rank: DeepSpeed skips it on
     every rank (parameters exactly as before), the LR schedule waits (the Trainer's scheduler
     step is kept and put back), 2 steps and 1 skip counted; window 2 steps."""
-    for rank, result in enumerate(values(run_ds(ds_cases.skip, 2, 2, deadline=400))):
+    for rank, result in enumerate(one_of(two_ranks, 1)):
         (_, lr0), (p1, lr1), (p2, lr2), (p3, _) = result["snaps"]
         assert result["counters"] == (2, 1), rank
         assert all(torch.equal(p2[name], value) for name, value in p1.items()), rank
@@ -77,7 +105,7 @@ def test_a_non_finite_window_is_skipped() -> None:
         assert any(not torch.equal(p3[name], value) for name, value in p2.items()), rank
 
 
-def test_zero_stage_0_is_refused() -> None:
-    (out,) = values(run_ds(ds_cases.refuse_stage0, 1, deadline=200))
+def test_zero_stage_0_is_refused(one_rank: list[Any]) -> None:
+    (out,) = one_of(one_rank, 1)
     assert "ZeRO stage 0" in out and "inside TRL's backward" in out, out
     assert "Use ZeRO stage 1-3" in out, out

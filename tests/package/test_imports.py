@@ -156,6 +156,19 @@ def test_the_proof_core_imports_the_leaves_alone() -> None:
     assert any(t.startswith("fullbatch._base") for t in EDGES["fullbatch._proof._objective"])
 
 
+def test_the_probe_imports_no_wing() -> None:
+    """The probe reads what it needs of DeepSpeed (``refusal``) and of meshes from the floor:
+    none of its modules, function-local imports included, loads the wings' floor ``_wings``."""
+    wings = [
+        f"{name}:{line} imports {target}"
+        for name in MODULES
+        if name.startswith("fullbatch._probe")
+        for target, line, _, _ in _imports(name)
+        if target.startswith("fullbatch._wings")
+    ]
+    assert wings == []
+
+
 def test_function_local_imports_only_where_the_cli_stays_light() -> None:
     local = [
         f"{name}:{line} imports {target}"

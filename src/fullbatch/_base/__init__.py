@@ -16,6 +16,6 @@ They import nothing from the rest of fullbatch but each other:
   (``fb.scale_lr``), ``_schedule`` (an LR schedule kept across a skipped step);
 - state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model), ``_fingerprint``
   (what a resumed run must find);
-- ``_versions`` (torch version gates), ``_deepspeed`` (how a DeepSpeed engine is recognised)
-  and ``_warn`` (warnings at the user's line).
+- ``_versions`` (torch version gates), ``_deepspeed`` (how a DeepSpeed engine is recognised,
+  and the configurations no scale makes exact) and ``_warn`` (warnings at the user's line).
 """

@@ -185,7 +185,7 @@ class DeepSpeedApplied(Reader):
     def refused(self) -> str | None:
         """What :func:`fullbatch._wings._deepspeed.refusal` says of this engine (0.17.0's ZeRO-2
         offload keeps one backward's gradient: ``ExactEngine`` refuses it too)."""
-        from fullbatch._wings._deepspeed import refusal
+        from fullbatch._base._deepspeed import refusal
 
         return refusal(
             stage=self.stage, offload=bool(self.engine.zero_use_cpu_optimizer()),

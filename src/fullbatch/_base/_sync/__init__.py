@@ -8,7 +8,8 @@
 - ``_context``: context-parallel ranks beside the data-parallel wrapper;
 - ``_mesh``: :class:`MeshFacts`, which dims of a composed ``DeviceMesh`` carry data and which
   carry model (tensor-parallel) pieces: who counts items, the window's reduction group, and
-  each gradient piece's share of the norm;
+  each gradient piece's share of the norm; for the probe, the same facts read from FSDP2's
+  meshes without a collective;
 - ``_make``: :class:`SyncPlan`, the sync options parsed once, which picks the kind for a model;
 - ``_pipeline``: the sums of :class:`fullbatch.Pipeline` windows;
 - ``_probe``: what :func:`fullbatch.probe` asks of ``torch.distributed`` (the wrapper around a

@@ -32,6 +32,7 @@ __all__ = [
     "FsdpSync",
     "fsdp_divisor",
     "fsdp_mesh",
+    "fsdp_meshes",
     "is_fsdp",
     "unsharded_params",
 ]
@@ -82,6 +83,16 @@ def _param_groups(model: nn.Module) -> list[Any]:
         single = getattr(state, "_fsdp_param_group", None) if plural is None else None
         groups.extend(plural if plural is not None else [single] if single is not None else [])
     return groups
+
+
+def fsdp_meshes(modules: tuple[nn.Module, ...]) -> dict[int, Any]:
+    """FSDP2's data mesh (the mesh ``fully_shard`` was given) per sharded parameter's id."""
+    out: dict[int, Any] = {}
+    for top in modules:
+        for group in _param_groups(top):
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                out[id(fsdp_param.sharded_param)] = fsdp_param.mesh_info.mesh
+    return out
 
 
 def unsharded_params(model: nn.Module) -> dict[int, nn.Parameter]:

@@ -8,8 +8,10 @@ pieces of the same model over the same items: every other dim of a DTensor param
 gradient norm is summed over data x model ranks, each gradient piece counted once.
 
 :func:`mesh_facts` decides this once, from the model (no argument needed), or checks an
-explicit ``data_mesh_dims``; the engine's refusals and the probe ask its :class:`MeshFacts`,
-never re-derive it.
+explicit ``data_mesh_dims``; the engine's refusals ask its :class:`MeshFacts`, never
+re-derive it. The probe, which watches a loop without a wrapper to ask, reads the same facts
+without a collective from FSDP2's meshes: :func:`has_model_dims`, :func:`window_ranks`,
+:func:`mesh_group`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch.distributed as dist
 
 from fullbatch._base._normalize import squared_norm
 
-__all__ = ["MeshFacts", "dtensor_meshes", "mesh_facts", "step_group"]
+__all__ = [
+    "MeshFacts",
+    "dtensor_meshes",
+    "has_model_dims",
+    "mesh_facts",
+    "mesh_group",
+    "step_group",
+    "window_ranks",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,3 +254,49 @@ def step_group(facts: MeshFacts, data_group: Any, mesh_groups: Sequence[Any] = (
         if group is not None and sorted(dist.get_process_group_ranks(group)) == ranks:
             return group
     return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def has_model_dims(params: Sequence[torch.Tensor], fsdp_meshes: dict[int, Any]) -> bool:
+    """Whether one of ``params`` is a ``DTensor`` on a mesh dim that is not FSDP2's (a
+    tensor-parallel dim: its ranks see the same micro-batches). ``fsdp_meshes``: FSDP2's mesh
+    per sharded parameter's id."""
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        data = fsdp_meshes.get(id(p))
+        if data is None or mesh.ndim > data.ndim:
+            return True
+    return False
+
+
+def window_ranks(params: Sequence[torch.Tensor], fsdp_meshes: dict[int, Any]) -> Any:
+    """Which ranks' micro-batches make one window of a tensor-parallel model, said without a
+    collective: FSDP2's mesh (every one of its dims: HSDP's replicate and shard; a process
+    group for it is :func:`mesh_group`'s), ``"local"`` where no FSDP2 shards the model and its
+    ``DTensor`` meshes span every rank (tensor parallelism alone), or None when neither says (a
+    mesh with other ranks beside it, whose data parallelism the loop does itself)."""
+    meshes = {id(m): m for m in fsdp_meshes.values()}
+    if len(meshes) > 1:
+        return None  # modules sharded over different meshes: not one data group
+    if meshes:
+        return next(iter(meshes.values()))
+    spans = {mesh.size() for mesh in dtensor_meshes(params)}
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return "local" if spans <= {world} else None
+
+
+def mesh_group(ranks: Any) -> Any:
+    """A process group over every rank of a ``DeviceMesh`` (a 2-D one flattened, once: the
+    mesh caches it), or ``ranks`` itself when it is not a mesh (a group, ``"local"``)."""
+    if not hasattr(ranks, "get_group") or not hasattr(ranks, "ndim"):
+        return ranks
+    if ranks.ndim == 1:
+        return ranks.get_group()
+    flatten = getattr(ranks, "_flatten", None)
+    if not callable(flatten):
+        raise RuntimeError(
+            f"the probe needs one process group over FSDP2's {ranks.ndim}-D mesh {ranks}, and "
+            "this torch's DeviceMesh has no _flatten(); pass fb.probe(ranks=<that group>)."
+        )
+    return flatten().get_group()

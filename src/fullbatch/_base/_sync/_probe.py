@@ -7,8 +7,8 @@ gradients outside ``.grad`` and that no reader of the probe reads (refused by na
 ColossalAI; DeepSpeed and FSDP2 have their own readers), and for the :class:`Sync` whose
 collectives sum the window over its ranks. On a composed mesh (tensor parallel ``DTensor``
 parameters, alone or under FSDP2/HSDP) it says which ranks hold other data
-(:func:`data_ranks`, :func:`mesh_group`: FSDP2's own mesh; the tensor-parallel dims see the
-same micro-batches) and which parameters are tensor-parallel (:func:`tensor_parallel`).
+(:func:`data_ranks`, :func:`mesh_group`) and which parameters are tensor-parallel
+(:func:`tensor_parallel`): the mesh facts themselves are ``_mesh``'s, given FSDP2's meshes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync, sum_tensors
-from fullbatch._base._sync._fsdp import _param_groups, is_fsdp, unsharded_params
+from fullbatch._base._sync._fsdp import fsdp_meshes, is_fsdp, unsharded_params
+from fullbatch._base._sync._mesh import has_model_dims, mesh_group, window_ranks
 
 __all__ = [
     "data_ranks",
@@ -107,76 +108,23 @@ def default_rank() -> int | None:
     return None
 
 
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
-
-
-def _mesh(p: Any) -> Any:
-    """A ``DTensor``'s device mesh."""
-    return p.device_mesh
-
-
-def _fsdp_meshes(modules: tuple[nn.Module, ...]) -> dict[int, Any]:
-    """FSDP2's data mesh (the mesh ``fully_shard`` was given) per sharded parameter's id."""
-    out: dict[int, Any] = {}
-    for top in modules:
-        for group in _param_groups(top):
-            for fsdp_param in getattr(group, "fsdp_params", []):
-                out[id(fsdp_param.sharded_param)] = fsdp_param.mesh_info.mesh
-    return out
-
-
 def tensor_parallel(params: tuple[nn.Parameter, ...], modules: tuple[nn.Module, ...]) -> bool:
-    """Whether one of ``params`` is a ``DTensor`` sharded or replicated over a mesh dim that is
-    not FSDP2's (a tensor-parallel dim: its ranks see the same micro-batches).
+    """Whether one of ``params`` lies on a tensor-parallel mesh dim (:func:`has_model_dims` of
+    ``modules``' FSDP2 meshes).
 
     >>> import torch
     >>> tensor_parallel((nn.Parameter(torch.ones(1)),), ())
     False
     """
-    fsdp = _fsdp_meshes(modules)
-    for p in params:
-        if not _is_dtensor(p):
-            continue
-        data = fsdp.get(id(p))
-        if data is None or _mesh(p).ndim > data.ndim:
-            return True
-    return False
+    return has_model_dims(params, fsdp_meshes(modules))
 
 
 def data_ranks(params: tuple[nn.Parameter, ...], modules: tuple[nn.Module, ...]) -> Any:
-    """Which ranks' micro-batches make one window of a tensor-parallel model, said without a
-    collective: FSDP2's mesh (every one of its dims: HSDP's replicate and shard; a process
-    group for it is :func:`mesh_group`'s), ``"local"`` where no FSDP2 shards the model and its
-    ``DTensor`` mesh spans every rank (tensor parallelism alone), or None when neither says (a
-    mesh with other ranks beside it, whose data parallelism the loop does itself:
-    ``fb.probe(ranks=...)`` names the group).
+    """Which ranks' micro-batches make one probed window (:func:`window_ranks` of ``modules``'
+    FSDP2 meshes).
 
     >>> import torch
     >>> data_ranks((nn.Parameter(torch.ones(1)),), ())
     'local'
     """
-    meshes = {id(m): m for m in _fsdp_meshes(modules).values()}
-    if len(meshes) > 1:
-        return None  # modules sharded over different meshes: not one data group
-    if meshes:
-        return next(iter(meshes.values()))
-    spans = {_mesh(p).size() for p in params if _is_dtensor(p)}
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return "local" if spans <= {world} else None
-
-
-def mesh_group(ranks: Any) -> Any:
-    """A process group over every rank of a ``DeviceMesh`` (a 2-D one flattened, once: the
-    mesh caches it), or ``ranks`` itself when it is not a mesh (a group, ``"local"``)."""
-    if not hasattr(ranks, "get_group") or not hasattr(ranks, "ndim"):
-        return ranks
-    if ranks.ndim == 1:
-        return ranks.get_group()
-    flatten = getattr(ranks, "_flatten", None)
-    if not callable(flatten):
-        raise RuntimeError(
-            f"the probe needs one process group over FSDP2's {ranks.ndim}-D mesh {ranks}, and "
-            "this torch's DeviceMesh has no _flatten(); pass fb.probe(ranks=<that group>)."
-        )
-    return flatten().get_group()
+    return window_ranks(params, fsdp_meshes(modules))
