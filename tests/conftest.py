@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fullbatch as fb
+
+# This machine has no accelerator: DeepSpeed, imported by transformers in any test, would
+# otherwise probe for one and print "Setting accelerator to CPU" on stdout at its first import,
+# into whichever docs example imports it first (tests/docs check printed output).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 F64 = torch.float64
 IGNORE = -100
