@@ -83,9 +83,65 @@ def train(run: tuple[Any, ...], rows: list[Any]) -> dict[str, Any]:
     }
 
 
-def train_all(rank: int, world: int, runs: list[tuple[Any, ...]], n_rows: int) -> dict[Any, Any]:
+def train_all(
+    rank: int,
+    world: int,
+    runs: list[tuple[Any, ...]],
+    n_rows: int,
+    moe_stages: tuple[int, ...] = (),
+) -> dict[Any, Any]:
+    """Every run of ``runs``, then (keyed ``("moe", stage)``) :func:`moe_step` per stage."""
     rows = h.text_rows(n_rows)
-    return {run: train(run, rows) for run in runs}
+    out: dict[Any, Any] = {run: train(run, rows) for run in runs}
+    out.update({("moe", stage): moe_step(world, stage) for stage in moe_stages})
+    return out
+
+
+MOE_LENGTHS = (7, 3, 5, 7, 2, 6, 4, 1)  # real tokens per row: uneven micro-batches of 2 rows
+
+
+def moe_step(world: int, stage: int) -> list[torch.Tensor]:
+    """One ExactTrainer step (SGD lr=1) of a tiny float32 Mixtral with its router aux loss on,
+    at ZeRO ``stage``: 2 rows per micro-batch, the 8 rows of :data:`MOE_LENGTHS` one window
+    over the ranks; the full parameters' change (the applied gradient), in parameter order.
+    Under ZeRO-3 the routing pre-pass's forwards gather the partitioned parameters on every
+    rank."""
+    from transformers import TrainerCallback
+
+    from _moe_cases import _collate, make_moe, moe_rows
+    from fullbatch.hf import ExactTrainer
+
+    model = make_moe("mixtral").float()
+    model.config.output_router_logits = True
+    before = [p.detach().double().clone() for p in model.parameters()]
+    window = moe_rows(MOE_LENGTHS, seed=1)
+    data = [{k: v[i] for k, v in window.items()} for i in range(len(MOE_LENGTHS))]
+    after: list[dict[str, torch.Tensor]] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            after.append(full_params(kw["model"]))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = h.training_args(
+            tmp,
+            k=len(MOE_LENGTHS) // (2 * world),
+            batch=2,
+            learning_rate=1.0,
+            max_steps=1,
+            deepspeed=trainer_config(stage),
+        )
+        trainer = ExactTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=_collate,
+            callbacks=[Record()],
+            loss="causal_lm",
+        )
+        h.in_order(trainer).train()
+    (params,) = after
+    return [b - p for b, p in zip(before, params.values(), strict=True)]
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:
