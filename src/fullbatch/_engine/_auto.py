@@ -46,7 +46,7 @@ from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._open import open_window
 from fullbatch._engine._run import MicroBatchFn, abandon_locally, run_micro_batches
 
-__all__ = ["Runner", "check_peers", "run_auto"]
+__all__ = ["Runner", "check_peers", "free_memory", "run_auto"]
 
 # One attempt at a window: ``runner(window, fn, before_backward)`` runs its micro-batches and
 # backward calls, no step (``run_micro_batches``; ``window.run_coupled`` runs both passes).
@@ -165,7 +165,8 @@ def _restart(window: Handle, micros: list[Any], stream: Stream) -> None:
     window._state = state
 
 
-def _free() -> None:
+def free_memory() -> None:
+    """What an out-of-memory error left: the failed forward's frames, the CUDA cache."""
     gc.collect(1)  # young cycles through the failed forward's frames (a full collect: ~0.5 s)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -203,7 +204,7 @@ def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batche
                     "lower precision."
                 )
             limit = min(int(r[_USED]) // 2 for r in table if r[_OOM])
-            _free()
+            free_memory()
             snapshot.restore(engine)
             _restart(window, auto.shrink(limit), stream)
             retries += 1

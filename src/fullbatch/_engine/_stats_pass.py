@@ -36,6 +36,7 @@ from torch import nn
 from fullbatch._base._rng import RngState
 from fullbatch._base._split import count_rows, split_rows
 from fullbatch._base._sync import Sync
+from fullbatch._engine._auto import free_memory
 from fullbatch._engine._core import Handle
 from fullbatch._engine._state import Phase
 
@@ -107,20 +108,19 @@ def _halving(fn: StatsFn, micro: Any, *, split: bool) -> list[Any]:
     try:
         return [fn(micro)]
     except torch.OutOfMemoryError as error:
-        try:
-            rows = count_rows(micro)
-        except ValueError:
-            rows = 1
-        if not split or rows <= 1:
-            if split:
-                raise
+        if not split:
             raise torch.OutOfMemoryError(
                 f"{error} (in window.stats's pre-pass, whose forwards run FSDP2's all-gathers "
                 "on every rank, so it cannot re-run one rank's micro-batch in halves: give "
                 "the Accumulator a micro_batch_size whose no-grad forward fits)"
             ) from error
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        try:
+            rows = count_rows(micro)
+        except ValueError:
+            raise error from None
+        if rows <= 1:
+            raise
+    free_memory()
     halves = split_rows(micro, -(-rows // 2))
     return [out for half in halves for out in _halving(fn, half, split=True)]
 
