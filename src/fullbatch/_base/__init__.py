@@ -12,9 +12,12 @@ They import nothing from the rest of fullbatch but each other:
   sequence), ``_row_boundaries`` (does packing respect row boundaries on a model),
   ``_autosize`` (where an ``"auto"`` size stands), ``_rows`` (``fb.row_windows``);
 - ``_losses`` (summed losses and counts), ``_moe`` (the MoE load-balancing loss as a window
-  statistic: routing counts and one micro-batch's term), ``_stats`` (:class:`StepStats`), ``_lr``
-  (``fb.scale_lr``), ``_schedule`` (an LR schedule kept across a skipped step);
-- state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model), ``_fingerprint``
+  statistic: routing counts and one micro-batch's term), ``_routing`` (the MoE routing
+  pre-pass of the HF wings and the probe: one float64 row per micro-batch, summed over the
+  window and ranks), ``_stats`` (:class:`StepStats`), ``_lr`` (``fb.scale_lr``), ``_schedule``
+  (an LR schedule kept across a skipped step);
+- state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model, or its BatchNorm
+  buffers), ``_fingerprint``
   (what a resumed run must find);
 - ``_versions`` (torch version gates), ``_deepspeed`` (how a DeepSpeed engine is recognised,
   and the configurations no scale makes exact) and ``_warn`` (warnings at the user's line).

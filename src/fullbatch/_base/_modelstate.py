@@ -1,4 +1,5 @@
-"""Save and restore everything ``verify`` may touch on the user's model, and disable dropout.
+"""Save and restore everything ``verify`` may touch on the user's model, and disable dropout;
+the BatchNorm buffers alone for the engine's pre-pass and "auto" re-runs.
 
 ``verify`` runs several forward and backward passes on the user's own model. Afterwards the
 model must be exactly as it was: parameters (never written), their ``.grad`` and
@@ -13,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["DropoutOff", "ModelSnapshot", "batchnorm_modules", "disable_dropout"]
+__all__ = [
+    "BatchNormBuffers",
+    "DropoutOff",
+    "ModelSnapshot",
+    "batchnorm_modules",
+    "disable_dropout",
+]
 
 # Float attributes that Hugging Face attention modules pass to a functional dropout
 # (e.g. ``LlamaAttention.attention_dropout``): no module to put in eval mode, so set to 0.
@@ -153,6 +160,14 @@ def disable_dropout(model: nn.Module) -> DropoutOff:
     return off
 
 
+def _batchnorms(model: nn.Module, training_only: bool) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not training_only)
+    ]
+
+
 def batchnorm_modules(model: nn.Module, *, training_only: bool = True) -> list[str]:
     """Names of BatchNorm modules (train-mode ones only by default): they couple rows.
 
@@ -160,8 +175,29 @@ def batchnorm_modules(model: nn.Module, *, training_only: bool = True) -> list[s
     >>> batchnorm_modules(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))
     ['1']
     """
-    return [
-        name or "<root>"
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or not training_only)
-    ]
+    return [name or "<root>" for name, _ in _batchnorms(model, training_only)]
+
+
+class BatchNormBuffers:
+    """The BatchNorm buffers (running statistics) as they are now; :meth:`restore` puts them
+    back after forwards that must leave no trace (a pre-pass, an abandoned attempt).
+
+    >>> import torch
+    >>> model = torch.nn.BatchNorm1d(2)
+    >>> saved = BatchNormBuffers(model, training_only=True)
+    >>> _ = model(torch.randn(4, 2))
+    >>> saved.restore(); model.running_mean.tolist()
+    [0.0, 0.0]
+    """
+
+    def __init__(self, model: nn.Module, *, training_only: bool) -> None:
+        self.saved = [
+            (b, b.detach().clone())
+            for _, m in _batchnorms(model, training_only)
+            for b in m.buffers(recurse=False)
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.saved:
+                buffer.copy_(saved)

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from fullbatch._base._autosize import AutoSize
+from fullbatch._base._modelstate import BatchNormBuffers
 from fullbatch._base._rng import RngState
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
@@ -82,12 +82,7 @@ class _Snapshot:
         self.rng = RngState()
         scaler = engine.step_plan.scaler
         self.scaler = scaler.state_dict() if scaler is not None else None
-        self.buffers = [
-            (b, b.detach().clone())
-            for m in engine.model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            for b in m.buffers(recurse=False)
-        ]
+        self.buffers = BatchNormBuffers(engine.model, training_only=False)
         # DDP decides whether a forward broadcasts buffers from the previous forward, in a
         # post-forward step that a forward cut short by an OOM never reaches: put it back, or
         # ranks disagree on the next broadcast.
@@ -98,9 +93,7 @@ class _Snapshot:
         scaler = engine.step_plan.scaler
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(self.scaler)
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
+        self.buffers.restore()
         if self.forward_sync is not None:
             engine.model.require_forward_param_sync = self.forward_sync
 

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
+from fullbatch._base._modelstate import BatchNormBuffers
 from fullbatch._base._rng import RngState
 from fullbatch._base._split import count_rows, split_rows
 from fullbatch._base._sync import Sync
@@ -94,15 +94,6 @@ def _check_open(window: Handle, key: str) -> None:
         )
 
 
-def _batchnorm_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [
-        (b, b.detach().clone())
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-        for b in m.buffers(recurse=False)
-    ]
-
-
 def _halving(fn: StatsFn, micro: Any, *, split: bool) -> list[Any]:
     """``fn``'s outputs on ``micro``, or on its halves (recursively) where it runs out of memory."""
     try:
@@ -139,7 +130,7 @@ def _run(window: Handle, fn: StatsFn) -> tuple[list[list[torch.Tensor]], Any]:
         )
     sync = engine.sync
     quiet = sync.no_collectives() if not sync.sharded else contextlib.nullcontext()
-    rng, buffers = RngState(), _batchnorm_buffers(engine.model)
+    rng, buffers = RngState(), BatchNormBuffers(engine.model, training_only=True)
     results: list[list[torch.Tensor]] = []
     rebuild: Any = None
     try:
@@ -155,9 +146,7 @@ def _run(window: Handle, fn: StatsFn) -> tuple[list[list[torch.Tensor]], Any]:
                         results.append([torch.zeros_like(t) for t in leaves])
     finally:
         rng.restore()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        buffers.restore()
     return results, rebuild
 
 

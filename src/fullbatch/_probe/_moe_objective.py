@@ -29,6 +29,7 @@ from torch import nn
 
 from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
 from fullbatch._base._rng import RngState
+from fullbatch._base._routing import window_row
 from fullbatch._base._sync._probe import sum_tensors
 from fullbatch._probe._call_loss import LOSS_ONLY, ObjectiveFn
 from fullbatch._probe._capture import Call
@@ -137,37 +138,32 @@ def _experts(module: nn.Module) -> int:
 
 
 def _routing(calls: list[Call], aux: MoeAux, sync: Any) -> tuple[dict[str, torch.Tensor], float]:
-    """The pre-pass: every call's routing counts and items, summed over the window and ranks in
-    one reduction (each forward from its call's RNG state; the RNG put back after). A rank
-    whose pre-pass fails still joins the reduction, flagged, and every rank then raises."""
-    rng = RngState()
-    total = torch.zeros(_experts(calls[0].module) + 3, dtype=torch.float64)  # [C, R, N, failed]
-    failed: Exception | None = None
-    try:
-        with torch.no_grad():
-            for call in calls:
-                with replaying(call):
-                    out = call.module(*call.args, **_given(call))
-                mask = call.kwargs.get("attention_mask")
-                c = router_counts(_router_logits(out), top_k=aux.top_k, attention_mask=mask)
-                labels, shifted = _labels(call)
-                total[:-3] += c["experts"].cpu()
-                total[-3] += c["rows"].cpu()
-                total[-2] += objective_count("causal_lm", labels, shifted=shifted)
-    except (ValueError, TypeError, RuntimeError) as error:
-        failed, total[-1] = error, 1.0
-    finally:
-        rng.restore()
-    if sync.world > 1:
-        ids = calls[0].kwargs.get("input_ids")
-        total = total.to(ids.device if isinstance(ids, torch.Tensor) else "cpu")
-        sum_tensors([total], sync.group)
-        total = total.cpu()
-    if failed is not None:
-        raise failed
-    if total[-1] > 0:
+    """The pre-pass (:func:`fullbatch._base._routing.window_row`): every call's routing counts
+    and items, summed over the window and ranks in one reduction (each forward from its call's
+    RNG state; the RNG put back after), on CPU. A rank whose pre-pass fails still joins the
+    reduction, flagged, and every rank then raises."""
+
+    def forward(call: Call) -> tuple[Any, torch.Tensor | None, Any]:
+        with replaying(call):
+            out = call.module(*call.args, **_given(call))
+        return _router_logits(out), call.kwargs.get("attention_mask"), out
+
+    def items(call: Call, out: Any) -> float:
+        labels, shifted = _labels(call)
+        return objective_count("causal_lm", labels, shifted=shifted)
+
+    def summed(total: torch.Tensor) -> torch.Tensor:
+        if sync.world > 1:  # on the device of the inputs, as the collective needs
+            ids = calls[0].kwargs.get("input_ids")
+            total = total.to(ids.device if isinstance(ids, torch.Tensor) else "cpu")
+            sum_tensors([total], sync.group)
+        return total.cpu()
+
+    experts = _experts(calls[0].module)
+    total = window_row(calls, forward, items, top_k=aux.top_k, summed=summed, experts=experts)
+    if total.failed is not None and total.failed > 0:
         raise RuntimeError(f"objective={MOE!r}: the routing pre-pass failed on another rank.")
-    return {"experts": total[:-3], "rows": total[-3]}, float(total[-2])
+    return total.counts, float(total.items)
 
 
 def _aux_columns(

@@ -85,6 +85,13 @@ def _forward(model: nn.Module, micro: dict[str, Any]) -> Any:
     )
 
 
+def _routed(model: nn.Module, micro: dict[str, Any], k: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A forward, and the routing counts of its real tokens (``fb.moe.router_counts``)."""
+    out = _forward(model, micro)
+    mask = micro.get("attention_mask")
+    return out, router_counts(out.router_logits, top_k=k, attention_mask=mask)
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     out = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -98,11 +105,9 @@ def _error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def _full_batch(work: nn.Module, batch: dict[str, Any], k: int, coef: float) -> list[torch.Tensor]:
-    out = _forward(work, batch)
+    out, counts = _routed(work, batch, k)
     ce, n = causal_lm_loss(out.logits, batch["labels"])
-    mask = batch.get("attention_mask")
-    counts = router_counts(out.router_logits, top_k=k, attention_mask=mask)
-    aux = load_balancing(out.router_logits, counts, attention_mask=mask)
+    aux = load_balancing(out.router_logits, counts, attention_mask=batch.get("attention_mask"))
     (ce / n + coef * aux).backward()
     return _grads(work)
 
@@ -112,13 +117,9 @@ def _exact(work: nn.Module, micros: list[Any], k: int, coef: float) -> list[torc
     tokens = {"tokens": lambda m: count_tokens(m["labels"])}
     acc = Accumulator(work, recorder, micro_batches=len(micros), counts=tokens)
 
-    def routing(m: Any) -> Any:
-        out = _forward(work, m)
-        return router_counts(out.router_logits, top_k=k, attention_mask=m.get("attention_mask"))
-
     with acc:
         for window in acc.windows(micros):
-            counts = window.stats(routing)
+            counts = window.stats(lambda m: _routed(work, m, k)[1])
             for m in window:
                 out = _forward(work, m)
                 ce, _ = causal_lm_loss(out.logits, m["labels"])
@@ -141,14 +142,12 @@ def _approximate(
     tokens = sum(float(count_tokens(m["labels"])) for m in micros)
     total: dict[str, torch.Tensor] | None = None
     for m in micros:
-        out = _forward(work, m)
+        out, own = _routed(work, m, k)
         ce, _ = causal_lm_loss(out.logits, m["labels"])
-        mask = m.get("attention_mask")
-        own = router_counts(out.router_logits, top_k=k, attention_mask=mask)
         if running:
             total = own if total is None else {key: total[key] + own[key] for key in own}
         counts = total if running and total is not None else own
-        aux = load_balancing(out.router_logits, counts, attention_mask=mask)
+        aux = load_balancing(out.router_logits, counts, attention_mask=m.get("attention_mask"))
         (ce / tokens + coef * aux / len(micros)).backward()
     return _grads(work)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_counts
-from fullbatch._base._rng import RngState
+from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of
+from fullbatch._base._routing import window_row
 
 __all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "router_logits_of", "window_routing"]
 
@@ -99,26 +99,13 @@ def window_routing(
 ) -> WindowRouting:
     """The pre-pass: a no-grad forward of every micro-batch (labels withheld), its router
     counts and ``count(inputs, outputs)`` items, summed over the window and (``summed``) the
-    ranks in one reduction. The RNG state is put back, so the training forwards draw the
-    dropout masks they would draw without it."""
-    rng = RngState()
-    rows: list[torch.Tensor] = []
-    try:
-        with torch.no_grad():
-            for inputs in micro_batches:
-                given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-                outputs = model(**given, output_router_logits=True)
-                c = router_counts(
-                    outputs.router_logits,
-                    top_k=aux.top_k,
-                    attention_mask=inputs.get("attention_mask"),
-                )
-                n = torch.as_tensor(float(count(inputs, outputs)), dtype=torch.float64)
-                rows.append(torch.cat([c["experts"], c["rows"].reshape(1), n.reshape(1)]))
-    finally:
-        rng.restore()
-    total = torch.stack([r.to(rows[0].device) for r in rows]).sum(0)
-    if summed is not None:
-        total = summed(total)
-    experts = total[:-2]
-    return WindowRouting(aux, {"experts": experts, "rows": total[-2]}, float(total[-1].item()))
+    ranks in one reduction (:func:`fullbatch._base._routing.window_row`). The RNG state is put
+    back, so the training forwards draw the dropout masks they would draw without it."""
+
+    def forward(inputs: dict[str, Any]) -> tuple[Any, torch.Tensor | None, Any]:
+        given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        outputs = model(**given, output_router_logits=True)
+        return outputs.router_logits, inputs.get("attention_mask"), outputs
+
+    total = window_row(micro_batches, forward, count, top_k=aux.top_k, summed=summed)
+    return WindowRouting(aux, total.counts, float(total.items.item()))
