@@ -6,10 +6,11 @@ micro-batches (1 rank: 1+3+2+2 rows; 2 gloo DDP ranks: 1+3 and 2+1+1). The refer
 written here: one forward of the whole window, token-mean cross-entropy plus the pooled
 load-balancing loss of the whole window in float64 (transformers' definition). Recipes:
 
-- ``stock loss/GA``: each micro-batch's ``out.loss`` (its own CE mean + coef · its own aux)
-  divided by the rank's micro-batch count, DDP averaging the ranks;
-- ``stock num_items_in_batch``: the Trainer's: CE summed over the window's tokens (exact) plus
-  coef · the aux loss of every micro-batch, undivided;
+- ``stock loss/GA``: each micro-batch's ``out.loss`` from the model given its labels (its own
+  CE mean + coef · its own aux) divided by the rank's micro-batch count, DDP averaging ranks;
+- ``stock num_items_in_batch``: the Trainer's: ``out.loss`` from the model given its labels
+  and ``num_items_in_batch`` (the window's tokens over all ranks: CE exact) times the rank
+  count, so coef · the aux loss of every micro-batch is added undivided;
 - ``per-micro-batch aux``: exact CE plus the mean of the micro-batches' own aux losses;
 - ``running mean``: exact CE plus the mean over micro-batches of an aux loss whose ``f`` counts
   micro-batches 1..k of every rank (Megatron-Core's ``global_aux_loss``, torchtitan#4772);
@@ -137,20 +138,18 @@ def _backward(
     with_ce: bool,
 ) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if name.startswith("stock"):  # the model's own loss and aux loss, as transformers computes
+        items = {"num_items_in_batch": tokens} if name == "stock num_items_in_batch" else {}
+        out = ddp(**micro, output_router_logits=True, **items)
+        own = out.loss if with_ce else COEF * out.aux_loss  # CE + coef · its own aux
+        # loss/GA: over the rank's micro-batches; the Trainer's num_items_in_batch: * world
+        (own / count if name == "stock loss/GA" else own * world).backward()
+        return
     out = forward(ddp, micro)
-    ce_sum, n = fb.causal_lm_loss(out.logits, micro["labels"])
-    own = _aux(out, micro, mine[k])
-    if name == "stock loss/GA":
-        loss = ((ce_sum / n) * with_ce + COEF * own) / count
-    else:
-        ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
-        if name == "stock num_items_in_batch":
-            loss = ce + COEF * own * world
-        elif name == "per-micro-batch aux":
-            loss = ce + COEF * own * world / n_micro
-        else:  # running mean
-            loss = ce + COEF * _aux(out, micro, running[k]) * world / n_micro
-    loss.backward()
+    ce_sum, _ = fb.causal_lm_loss(out.logits, micro["labels"])
+    ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
+    counts = mine[k] if name == "per-micro-batch aux" else running[k]  # or the running mean's
+    (ce + COEF * _aux(out, micro, counts) * world / n_micro).backward()
 
 
 def _engine(family: str, world: int, rank: int, lr: float) -> tuple[Any, Any, list[Any]]:
