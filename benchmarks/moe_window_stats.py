@@ -6,20 +6,25 @@ micro-batches (1 rank: 1+3+2+2 rows; 2 gloo DDP ranks: 1+3 and 2+1+1). The refer
 written here: one forward of the whole window, token-mean cross-entropy plus the pooled
 load-balancing loss of the whole window in float64 (transformers' definition). Recipes:
 
-- ``stock loss/GA``: each micro-batch's ``out.loss`` (its own CE mean + coef · its own aux)
-  divided by the rank's micro-batch count, DDP averaging the ranks;
-- ``stock num_items_in_batch``: the Trainer's: CE summed over the window's tokens (exact) plus
-  coef · the aux loss of every micro-batch, undivided;
+- ``stock loss/GA``: each micro-batch's ``out.loss`` from the model given its labels (its own
+  CE mean + coef · its own aux) divided by the rank's micro-batch count, DDP averaging ranks;
+- ``stock num_items_in_batch``: the Trainer's: ``out.loss`` from the model given its labels
+  and ``num_items_in_batch`` (the window's tokens over all ranks: CE exact) times the rank
+  count, so coef · the aux loss of every micro-batch is added undivided;
 - ``per-micro-batch aux``: exact CE plus the mean of the micro-batches' own aux losses;
 - ``running mean``: exact CE plus the mean over micro-batches of an aux loss whose ``f`` counts
   micro-batches 1..k of every rank (Megatron-Core's ``global_aux_loss``, torchtitan#4772);
 - ``fullbatch exact``: ``fb.Accumulator`` with ``window.stats`` (``fb.moe``).
 
-Each row gives the step's gradient error ``‖g - g*‖ / ‖g*‖`` and the aux term's alone, and for
-fullbatch the pre-pass time over the window's training time (forward+backward) and the bytes
-the training forwards keep for backward (the pre-pass keeps none: it runs without a graph).
+Each row gives the step's gradient error ``‖g - g*‖ / ‖g*‖`` and the aux term's alone. The
+pre-pass cost, on rank 0, in a second table: its time beside the window's training (forwards,
+backwards and the step; medians over ``--reps`` windows after one untimed window, SGD with
+lr 0 so every window is the same), and its peak memory beside the training's: the most bytes
+torch's CPU allocator held above its level before each phase, read from ``torch.profiler``'s
+allocation events (``benchmarks/_alloc_peak.py``; tensor storage, the untimed window).
 
-Run: ``PYTHONPATH=src python benchmarks/moe_window_stats.py`` (about a minute on 2 CPU cores).
+Run: ``PYTHONPATH=src python benchmarks/moe_window_stats.py [--ranks 1 2] [--reps 5]`` (about
+a minute on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +47,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fullbatch as fb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _alloc_peak import peak_bytes
+
 from _moe_cases import COEF, FAMILIES, TOP_K, aux64, forward, make_moe, moe_rows
 
 LENGTHS = [7, 3, 5, 6, 2, 7, 4, 5]
@@ -129,63 +138,74 @@ def _backward(
     with_ce: bool,
 ) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if name.startswith("stock"):  # the model's own loss and aux loss, as transformers computes
+        items = {"num_items_in_batch": tokens} if name == "stock num_items_in_batch" else {}
+        out = ddp(**micro, output_router_logits=True, **items)
+        own = out.loss if with_ce else COEF * out.aux_loss  # CE + coef · its own aux
+        # loss/GA: over the rank's micro-batches; the Trainer's num_items_in_batch: * world
+        (own / count if name == "stock loss/GA" else own * world).backward()
+        return
     out = forward(ddp, micro)
-    ce_sum, n = fb.causal_lm_loss(out.logits, micro["labels"])
-    own = _aux(out, micro, mine[k])
-    if name == "stock loss/GA":
-        loss = ((ce_sum / n) * with_ce + COEF * own) / count
-    else:
-        ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
-        if name == "stock num_items_in_batch":
-            loss = ce + COEF * own * world
-        elif name == "per-micro-batch aux":
-            loss = ce + COEF * own * world / n_micro
-        else:  # running mean
-            loss = ce + COEF * _aux(out, micro, running[k]) * world / n_micro
-    loss.backward()
+    ce_sum, _ = fb.causal_lm_loss(out.logits, micro["labels"])
+    ce = ce_sum / tokens * world * with_ce  # DDP averages: the Trainer's * world
+    counts = mine[k] if name == "per-micro-batch aux" else running[k]  # or the running mean's
+    (ce + COEF * _aux(out, micro, counts) * world / n_micro).backward()
 
 
-def _exact(family: str, world: int, rank: int, with_ce: bool) -> tuple[torch.Tensor, float, float]:
-    """fullbatch: the window statistic's pre-pass, then each micro-batch's share."""
+def _engine(family: str, world: int, rank: int, lr: float) -> tuple[Any, Any, list[Any]]:
+    """fullbatch's loop pieces: the model, an Accumulator over it, this rank's micro-batches."""
     model = make_moe(family)
     ddp = DDP(model, find_unused_parameters=True) if world > 1 else model
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     micros = _micros(world, rank)
     counts_fn = {"tokens": lambda m: fb.count_tokens(m["labels"])}
-    acc = fb.Accumulator(ddp, opt, micro_batches=len(micros), counts=counts_fn)
+    return model, fb.Accumulator(ddp, opt, micro_batches=len(micros), counts=counts_fn), micros
 
-    def routing(micro: dict[str, torch.Tensor]) -> Any:
-        return _counts(forward(ddp, micro), micro)
 
-    began = time.perf_counter()
+def _routing(acc: Any) -> Any:
+    """The window statistic: one micro-batch's routing counts (under ``window.stats``)."""
+    return lambda micro: _counts(forward(acc.model, micro), micro)
+
+
+def _train(acc: Any, window: Any, counts: Any, with_ce: bool = True) -> None:
+    """Each micro-batch's share: CE over the window's tokens + coef · its aux term."""
+    for micro in window:
+        out = forward(acc.model, micro)
+        ce, _ = fb.causal_lm_loss(out.logits, micro["labels"])
+        window.backward(ce / window.totals["tokens"] * with_ce + COEF * _aux(out, micro, counts))
+
+
+def _exact(family: str, world: int, rank: int, with_ce: bool) -> torch.Tensor:
+    """fullbatch: the window statistic's pre-pass, then each micro-batch's share; SGD(lr=1)'s
+    parameter change is the applied gradient."""
+    model, acc, micros = _engine(family, world, rank, lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
     for window in acc.windows(micros):
-        counts = window.stats(routing)
-        for micro in window:
-            out = forward(ddp, micro)
-            ce, _ = fb.causal_lm_loss(out.logits, micro["labels"])
-            window.backward(
-                ce / window.totals["tokens"] * with_ce + COEF * _aux(out, micro, counts)
-            )
-        stats = window.step()
-    total = time.perf_counter() - began
-    grad = torch.cat(
+        _train(acc, window, window.stats(_routing(acc)), with_ce)
+        window.step()
+    return torch.cat(
         [(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)]
     )
-    return grad, stats.stats_seconds, total - stats.stats_seconds
 
 
-def _saved_bytes(family: str) -> int:
-    """Bytes one training forward of the window keeps for backward (the pre-pass: none)."""
-    model, micro, saved = make_moe(family), _window(), [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward(model, micro)
-    return saved[0]
+def _cost(family: str, world: int, rank: int, reps: int) -> tuple[float, float, int, int]:
+    """Median seconds of the pre-pass and of the rest of a window (forwards, backwards, step)
+    over ``reps`` windows, and the peak allocator bytes of each in one untimed window first."""
+    _, acc, micros = _engine(family, world, rank, lr=0.0)  # lr 0: every window the same
+    routing = _routing(acc)
+    peaks, pre, rest = [0, 0], [], []
+    for i, window in enumerate(acc.windows(micros * (reps + 1))):
+        began = time.perf_counter()
+        if i == 0:
+            counts, peaks[0] = peak_bytes(lambda w=window: w.stats(routing))
+            peaks[1] = peak_bytes(lambda w=window, c=counts: _train(acc, w, c))[1]
+        else:
+            _train(acc, window, window.stats(routing))
+        stats = window.step()
+        if i > 0:
+            pre.append(stats.stats_seconds)
+            rest.append(time.perf_counter() - began - stats.stats_seconds)
+    return statistics.median(pre), statistics.median(rest), peaks[0], peaks[1]
 
 
 def reference(family: str, with_ce: bool) -> torch.Tensor:
@@ -200,28 +220,31 @@ def reference(family: str, with_ce: bool) -> torch.Tensor:
     return _grads(model)
 
 
-def _rank(rank: int, world: int, store: str, out: Any) -> None:
+def _rank(rank: int, world: int, store: str, reps: int, out: Any) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    found: dict[tuple[str, str, bool], Any] = {}
+    found: dict[tuple[str, str, Any], Any] = {}
     for family in FAMILIES:
         for with_ce in (True, False):
             for name in RECIPES:
                 found[family, name, with_ce] = _recipe(name, family, world, rank, with_ce)
             found[family, "fullbatch exact", with_ce] = _exact(family, world, rank, with_ce)
+        found[family, "cost", None] = _cost(family, world, rank, reps)
     if rank == 0:
         out.put(pickle.dumps(found))  # bytes: a tensor's shared memory dies with the rank
     if world > 1:
         dist.destroy_process_group()
 
 
-def _run(world: int) -> dict[tuple[str, str, bool], Any]:
+def _run(world: int, reps: int) -> dict[tuple[str, str, Any], Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, queue)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, world, store, reps, queue)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         found = pickle.loads(queue.get(timeout=1800))
@@ -234,33 +257,43 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"{float((got - want).norm() / want.norm()):.1e}"
 
 
+def _arg(name: str, default: list[int]) -> list[int]:
+    """``--name N [N ...]`` from the command line (numbers up to the next ``--``)."""
+    if name not in sys.argv:
+        return default
+    out = []
+    for value in sys.argv[sys.argv.index(name) + 1 :]:
+        if value.startswith("--"):
+            break
+        out.append(int(value))
+    return out
+
+
 def main() -> None:
-    """``--ranks 1 2`` (default): which rank counts to run."""
-    worlds = (
-        [int(a) for a in sys.argv[sys.argv.index("--ranks") + 1 :]]
-        if "--ranks" in sys.argv
-        else [1, 2]
-    )
+    """``--ranks 1 2`` (default): which rank counts to run; ``--reps 5``: timed windows."""
+    worlds, (reps,) = _arg("--ranks", [1, 2]), _arg("--reps", [5])
     torch.set_num_threads(1)
-    print("| model | ranks | recipe | step grad error | aux grad error | pre-pass / training |")
-    print("|---|---|---|---|---|---|")
+    costs = []
+    print("| model | ranks | recipe | step grad error | aux grad error |")
+    print("|---|---|---|---|---|")
     for world in worlds:
-        found = _run(world)
+        found = _run(world, reps)
         for family in FAMILIES:
             step, aux = reference(family, True), reference(family, False)
             for name in (*RECIPES, "fullbatch exact"):
                 got, got_aux = found[family, name, True], found[family, name, False]
-                cost = ""
-                if name == "fullbatch exact":
-                    (got, pre, train), got_aux = got, got_aux[0]
-                    cost = f"{pre / train:.2f}x ({pre * 1e3:.0f} ms / {train * 1e3:.0f} ms)"
-                errors = f"{_err(got, step)} | {_err(got_aux, aux)}"
-                print(f"| {family} | {world} | {name} | {errors} | {cost} |")
-    for family in FAMILIES:
-        print(
-            f"{family}: the training forward of the window keeps {_saved_bytes(family)} bytes "
-            "for backward; the pre-pass keeps 0 (no graph)."
-        )
+                print(f"| {family} | {world} | {name} | {_err(got, step)} | {_err(got_aux, aux)} |")
+            costs.append((family, world, *found[family, "cost", None]))
+    print()
+    print(
+        "| model | ranks | pre-pass time | training time | time ratio "
+        "| pre-pass peak | training peak | memory ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for family, world, pre, train, pre_peak, train_peak in costs:
+        times = f"{pre * 1e3:.1f} ms | {train * 1e3:.1f} ms | {pre / train:.2f}x"
+        peaks = f"{pre_peak / 1024:.0f} KiB | {train_peak / 1024:.0f} KiB"
+        print(f"| {family} | {world} | {times} | {peaks} | {pre_peak / train_peak:.2f}x |")
 
 
 if __name__ == "__main__":
