@@ -60,6 +60,37 @@ def test_exact_trainer_moe_step_equals_full_batch(tmp_path: Any) -> None:
     assert rel_err(stock, want) > 1e-3, rel_err(stock, want)  # the control: per micro-batch
 
 
+def test_exact_trainer_runs_one_timed_pre_pass_per_window(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two windows: two pre-passes, each over its window's 3 micro-batches; the time each took
+    is summed in ``trainer.fb_stats_seconds``."""
+    from fullbatch.hf import _trainer
+
+    seen: list[tuple[int, float]] = []
+    trainers: list[Any] = []
+    real = _trainer.window_routing
+
+    def counted(*args: Any) -> Any:
+        routing = real(*args)
+        seen.append((len(args[2]), routing.seconds))
+        return routing
+
+    class Recorded(fbhf.ExactTrainer):
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            trainers.append(self)
+            self.args.max_steps = 2  # two windows of the same rows
+            return super().train(*args, **kwargs)
+
+    monkeypatch.setattr(_trainer, "window_routing", counted)
+    model = make_moe("mixtral")
+    model.config.output_router_logits = True
+    trainer_step(model, Recorded, str(tmp_path), LENGTHS, loss="causal_lm")
+    assert [k for k, _ in seen] == [3, 3], seen
+    assert all(s > 0 for _, s in seen), seen
+    assert trainers[0].fb_stats_seconds == pytest.approx(sum(s for _, s in seen))
+
+
 def test_exact_trainer_without_router_logits_adds_no_aux(tmp_path: Any) -> None:
     """``output_router_logits=False``: transformers adds no aux term, nor does ExactTrainer."""
     model = make_moe("mixtral")

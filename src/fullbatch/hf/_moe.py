@@ -15,6 +15,7 @@ logits, so :func:`router_logits_of` reads them off the backbone with a forward h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ __all__ = ["MoeAux", "WindowRouting", "moe_aux_of", "router_logits_of", "window_
 @dataclass(frozen=True)
 class WindowRouting:
     """The window's routing counts (``fb.moe.router_counts`` over every micro-batch and rank)
-    and its item count ``N``: the constants every micro-batch's aux term uses."""
+    and its item count ``N``: the constants every micro-batch's aux term uses; ``seconds``
+    is the pre-pass's time on this rank (its reduction included)."""
 
     aux: MoeAux
     counts: dict[str, torch.Tensor]
     items: float
+    seconds: float = 0.0
 
     def term(self, outputs: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """``N · coef · load_balancing``: this micro-batch's aux term as a share of the loss
@@ -107,5 +110,7 @@ def window_routing(
         outputs = model(**given, output_router_logits=True)
         return outputs.router_logits, inputs.get("attention_mask"), outputs
 
+    start = time.perf_counter()
     total = window_row(micro_batches, forward, count, top_k=aux.top_k, summed=summed)
-    return WindowRouting(aux, total.counts, float(total.items.item()))
+    items = float(total.items.item())  # a host read: the time includes the reduction
+    return WindowRouting(aux, total.counts, items, time.perf_counter() - start)

@@ -65,7 +65,8 @@ class ExactTrainer(Trainer):
     ``TrainingArguments`` option that does not change the loss keeps its meaning
     (``gradient_accumulation_steps``, ``max_grad_norm``, schedulers, callbacks, DDP, FSDP2,
     DeepSpeed). On a transformers MoE model whose config has ``output_router_logits``, the
-    load-balancing loss is the window's, not each micro-batch's (docs/moe.md).
+    load-balancing loss is the window's, not each micro-batch's (docs/moe.md); the routing
+    pre-pass that makes it so is timed in ``trainer.fb_stats_seconds`` (this rank, summed).
 
     Args:
         *args, **kwargs: what ``Trainer`` takes.
@@ -153,6 +154,7 @@ class ExactTrainer(Trainer):
         self._fb_schedule: Any = None  # a skip's LR schedule, put back by KeepSchedule
         self.add_callback(KeepSchedule(self._fb_restore_schedule))
         self._fb_routing: WindowRouting | None = None  # the window's MoE routing counts
+        self.fb_stats_seconds = 0.0  # the MoE routing pre-passes' time on this rank, summed
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -207,7 +209,9 @@ class ExactTrainer(Trainer):
             return None
         model.train()
         micro = [dict(self._prepare_inputs(b)) for b in batches]
-        return window_routing(aux, model, micro, self._items, summed(self))
+        routing = window_routing(aux, model, micro, self._items, summed(self))
+        self.fb_stats_seconds += routing.seconds
+        return routing
 
     def _items(self, inputs: dict[str, Any], outputs: Any) -> float:
         if callable(self.fb_loss):
