@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 from typing import Any
 
@@ -73,7 +74,8 @@ def run(
     (``LR``) on ``pairs(n)`` (this rank's share under DDP), ``batch`` pairs per micro-batch,
     ``k`` per window, one step unless ``max_steps=`` says otherwise: the parameters before and
     after each step, the rows of each micro-batch, the logs, and the routing pre-passes that
-    ran (``window_routing`` calls: the window's routed rows and pairs)."""
+    ran (``window_routing`` calls: the window's routed rows and pairs, and their seconds), and
+    the Trainer's ``train_runtime``."""
     from transformers import TrainerCallback
     from trl import DPOTrainer
 
@@ -86,8 +88,12 @@ def run(
     original = dpo_module.window_routing
 
     def counting(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         routing = original(*args, **kwargs)
-        prepasses.append({"rows": float(routing.counts["rows"]), "items": routing.items})
+        seconds = time.perf_counter() - start
+        prepasses.append(
+            {"rows": float(routing.counts["rows"]), "items": routing.items, "seconds": seconds}
+        )
         return routing
 
     class Record(TrainerCallback):
@@ -118,6 +124,7 @@ def run(
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "prepasses": prepasses,
         "world": trainer.accelerator.num_processes,
+        "seconds": trainer.state.log_history[-1]["train_runtime"],
     }
 
 

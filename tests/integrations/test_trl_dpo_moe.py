@@ -16,7 +16,10 @@ aux_loss is the window's to 1e-12 (no float32 in it)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 pytest.importorskip("trl")
 
@@ -41,6 +44,7 @@ def _check_prepasses(got: dict, wins: list[list[dict]]) -> None:
     """One routing pre-pass per window, counting each routed token of it once (all layers)."""
     assert [p["items"] for p in got["prepasses"]] == [len(rows) for rows in wins]
     assert [p["rows"] for p in got["prepasses"]] == [LAYERS * tokens(rows) for rows in wins]
+    assert all(p["seconds"] > 0 for p in got["prepasses"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -116,12 +120,45 @@ def test_exact_dpo_moe_two_ddp_ranks() -> None:
 
 
 def test_policy_router_logits_refused_unless_seen_once() -> None:
-    """A forward that hands back no router logits (or more than the policy's and a PEFT
-    reference's) is refused, naming what was seen and the fix."""
+    """A forward that hands back no router logits, or more than the policy's and a PEFT
+    reference's (without gradient), is refused, naming what was seen and the fix."""
     from fullbatch.trl import ExactDPOTrainer
 
     policy = ExactDPOTrainer._policy_logits
-    assert policy([["policy"], ["reference"]]) == ["policy"]
-    for seen in ([], [[1], [2], [3]]):
+    graph, frozen = [torch.ones(2, requires_grad=True)], [torch.ones(2)]
+    assert policy([graph, frozen]) is graph
+    for seen in ([], [graph, graph], [graph, frozen, frozen]):
         with pytest.raises(ValueError, match=rf"{len(seen)} times.*router_aux_loss_coef=0\.0"):
             policy(seen)
+
+
+def test_check_trainer_judges_the_dpo_moe_aux_loss(tmp_path: Any) -> None:
+    """``fullbatch.hf.check_trainer``, whose full batch is TRL's DPO loss with the whole
+    window's load-balancing loss: ExactDPOTrainer passes, the stock DPOTrainer fails, naming
+    the aux loss (the model config's ``output_router_logits`` on: what the check reads)."""
+    import warnings
+
+    from trl import DPOTrainer
+
+    import fullbatch.hf as fbhf
+    from _trl_dpo_cases import dpo_config, pairs
+    from _trl_dpo_moe_cases import moe_lm
+    from fullbatch._demo._trl_tiny import char_tokenizer
+    from fullbatch.trl import ExactDPOTrainer
+
+    checks = {}
+    for cls in (ExactDPOTrainer, DPOTrainer):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = cls(
+                model=moe_lm("mixtral", router_logits=True),
+                ref_model=moe_lm("mixtral", router_logits=True),
+                args=dpo_config(str(tmp_path), k=4, batch=2),
+                train_dataset=pairs(8),
+                processing_class=char_tokenizer(),
+            )
+            checks[cls] = fbhf.check_trainer(trainer)
+    exact, stock = checks[ExactDPOTrainer], checks[DPOTrainer]
+    assert exact.passed and exact.band < 1e-6, exact
+    assert not stock.passed and stock.accumulated.global_rel_error > 1e-3, stock
+    assert "MoE load-balancing loss is each micro-batch's" in stock.reason, stock.reason

@@ -13,8 +13,9 @@ window with the same weights TRL uses within a micro-batch (pairs, or tokens).
 On a transformers MoE model (TRL's ``router_aux_loss_coef``), TRL adds each micro-batch's
 load-balancing loss (its policy forward on ``[chosen; rejected]``, ``attention_mask``
 respected). Here it is the window's, as in ``ExactTrainer``: one routing pre-pass per window
-(:mod:`fullbatch.hf._moe`, through the same backbone forward TRL's fused head runs), each
-micro-batch's term from the window's counts, TRL's own term weighted by zero.
+(:mod:`fullbatch.hf._moe`) on the model inputs TRL's policy forward gets, each micro-batch's
+term from the window's counts (its router logits read off the backbone, as in
+``ExactSFTTrainer``), TRL's own term weighted by zero.
 """
 
 from __future__ import annotations
@@ -198,13 +199,15 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     @staticmethod
     def _policy_logits(seen: list[Any]) -> Any:
         """The policy forward's router logits: TRL runs it first; the reference's forward
-        follows through the same backbone only under PEFT without ``ref_model``."""
-        if not 1 <= len(seen) <= 2:
+        (no gradient) follows through the same backbone only under PEFT without
+        ``ref_model``."""
+        reference = seen[1:2] and not any(t.requires_grad for t in seen[1])
+        if not seen or len(seen) > 1 + bool(reference):
             raise ValueError(
                 f"the micro-batch's forwards returned router_logits {len(seen)} times, expected "
-                "once for the policy (and once more for a PEFT reference); ExactDPOTrainer needs "
-                "them for the window's load-balancing loss. Set router_aux_loss_coef=0.0 in the "
-                "DPOConfig to train without it."
+                "once for the policy (and once more, without gradient, for a PEFT reference); "
+                "ExactDPOTrainer needs them for the window's load-balancing loss. Set "
+                "router_aux_loss_coef=0.0 in the DPOConfig to train without it."
             )
         return seen[0]
 
