@@ -2,7 +2,7 @@
 the window's token-mean cross-entropy plus ``router_aux_loss_coef`` times transformers' pooled
 load-balancing loss over the whole window (all micro-batches, all ranks; docs/moe.md), written
 here in plain float64 PyTorch; the stock ``trl.SFTTrainer`` adds each micro-batch's own aux
-term and is measurably off. ``ExactDPOTrainer`` refuses an enabled aux loss, naming the fix.
+term and is measurably off (``ExactDPOTrainer``: tests/integrations/test_trl_dpo_moe.py).
 
 The models are float64, but TRL's fused LM head accumulates its logits in float32: TRL's own
 full batch (``SFTTrainer``, all rows in one micro-batch) is about 1e-7 off the float64
@@ -103,27 +103,6 @@ def test_exact_sft_moe_without_aux_is_plain(tmp_path: Any) -> None:
     )
     assert trainer._fb_routing is None
     assert rel_err(got, want) < TOL, rel_err(got, want)
-
-
-def test_dpo_refuses_the_moe_aux_loss_naming_the_fix(tmp_path: Any) -> None:
-    """ExactDPOTrainer does not take the load-balancing loss over the window: it refuses it
-    before TRL patches the model, naming the value and the fixes."""
-    from trl import DPOConfig
-
-    from fullbatch._demo._trl_tiny import char_tokenizer
-    from fullbatch.trl import ExactDPOTrainer
-
-    model = make_moe("mixtral")
-    args = DPOConfig(str(tmp_path), use_cpu=True, report_to=[], bf16=False)
-    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0\.25.*ExactSFTTrainer"):
-        ExactDPOTrainer(
-            model=model,
-            ref_model=copy.deepcopy(model),
-            args=args,
-            train_dataset=None,
-            processing_class=char_tokenizer(),
-        )
-    assert "forward" not in vars(model)  # TRL's fused head was not patched on
 
 
 def test_grpo_warns_that_its_router_loss_is_per_micro_batch(tmp_path: Any) -> None:

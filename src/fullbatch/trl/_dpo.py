@@ -9,19 +9,30 @@ first forward, and TRL's own loss runs on each micro-batch with the weights resc
 returns that micro-batch's share of the window loss ``Σ_j w_j Σ ℓ_j / N_j`` (``N_j``: the
 window's pairs, or its chosen tokens for ``sft``). TRL's logged metrics are averaged over the
 window with the same weights TRL uses within a micro-batch (pairs, or tokens).
+
+On a transformers MoE model (TRL's ``router_aux_loss_coef``), TRL adds each micro-batch's
+load-balancing loss (its policy forward on ``[chosen; rejected]``, ``attention_mask``
+respected). Here it is the window's, as in ``ExactTrainer``: one routing pre-pass per window
+(:mod:`fullbatch.hf._moe`) on the model inputs TRL's policy forward gets, each micro-batch's
+term from the window's counts (its router logits read off the backbone, as in
+``ExactSFTTrainer``), TRL's own term weighted by zero.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from trl import DPOTrainer
 
+from fullbatch._base._moe import MoeAux
 from fullbatch.hf import ExactTrainer
-from fullbatch.trl._refuse import common, dpo, moe_aux, reference
+from fullbatch.hf._moe import WindowRouting, router_logits_of, window_routing
+from fullbatch.hf._window import summed
+from fullbatch.trl._refuse import common, dpo, reference
 from fullbatch.trl._step import offloaded_training_step
 
 __all__ = ["ExactDPOTrainer"]
@@ -35,6 +46,8 @@ _METRIC_WEIGHT = {
     "logits/rejected": (_REJECTED,),
     "mean_token_accuracy": (_CHOSEN,),
 }
+# What TRL 1.16's DPO keeps out of the model's forward (``_compute_loss``).
+_NOT_MODEL_INPUTS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
 
 class ExactDPOTrainer(ExactTrainer, DPOTrainer):
@@ -47,15 +60,19 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     ``sppo_hard``, ``apo_zero``, ``apo_down``, ``discopop``, ``sigmoid_norm``; with
     ``f_divergence_type``, ``ld_alpha``, ``use_weighting``), and ``sft`` by the window's chosen
     tokens. TRL's logged rewards, log-probabilities, logits, entropy and token accuracy are
-    those of the whole window; the logged loss is the window's loss.
+    those of the whole window; the logged loss is the window's loss. On an MoE model with TRL's
+    ``router_aux_loss_coef`` (the config's by default), the step adds ``coef`` times the
+    load-balancing loss of all the window's policy forwards (chosen and rejected, all
+    micro-batches and ranks, padding left out): the full batch's, not each micro-batch's
+    (docs/moe.md); the logged ``aux_loss`` is the window's.
 
     Raises:
         ValueError: before anything changes: ``aot``/``aot_unpaired`` (they sort the pairs of
             a batch against each other, so no per-micro-batch sum equals the full batch's),
-            ``padding_free``, an enabled MoE router auxiliary loss, a model built from a config
-            without ``ref_model=`` (TRL would reload the reference from its empty
-            ``_name_or_path``; the message gives the fixes), and what
-            :class:`fullbatch.trl.ExactSFTTrainer` refuses.
+            ``padding_free``, a model built from a config without ``ref_model=`` (TRL would
+            reload the reference from its empty ``_name_or_path``; the message gives the
+            fixes), and what :class:`fullbatch.trl.ExactSFTTrainer` refuses. In training, an
+            MoE forward whose backbone does not return its router logits once.
 
     Example: see ``docs/integrations_trl.md``.
 
@@ -66,9 +83,10 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     #: What this route is called, for ``fb.probe`` (a declaration: see
     #: ``fullbatch._probe._engines``).
     fullbatch_route = "fullbatch.trl.ExactDPOTrainer"
+    _fb_adds_router_aux = True  # exact_loss adds the window's load-balancing term
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs)
+        given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs, router_aux=True)
         config = given.get("args")
         dpo(config)
         precompute = getattr(config, "precompute_ref_log_probs", False)
@@ -83,11 +101,10 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
                 "or model.save_pretrained(path) and model=path.",
             )
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            moe_aux("ExactDPOTrainer", self.model, self.router_aux_loss_coef)
         self._fb_counts = torch.zeros(0, 3)  # per micro-batch of the window, all ranks
         self._fb_local = torch.zeros(0, 3)  # this rank's
         self._fb_sums: dict[str, list[float]] = {}  # metric -> [weighted sum, weight]
+        self._fb_aux: list[torch.Tensor] = []  # the micro-batch's share of the window's aux loss
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -107,6 +124,32 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         self._fb_sums = {}
         return batches, None
 
+    def _window_routing(self, batches: list[Any]) -> WindowRouting | None:
+        """TRL's aux loss (``aux_loss_enabled``: its coefficient, the config's experts per
+        token) over the window: the routing pre-pass on the policy forward TRL runs (the
+        model inputs of ``[chosen; rejected]``), counting pairs (``N``, as :meth:`exact_loss`)."""
+        if not self.aux_loss_enabled or not batches:
+            return None
+        model = self.accelerator.unwrap_model(self.model)
+        text = model.config.get_text_config()
+        top_k = getattr(text, "num_experts_per_tok", None)
+        if not isinstance(top_k, int):
+            raise ValueError(
+                f"ExactDPOTrainer: {type(model).__name__} has router_aux_loss_coef="
+                f"{self.router_aux_loss_coef} but num_experts_per_tok={top_k!r}; the window's "
+                "load-balancing loss needs the experts per token. Set router_aux_loss_coef=0.0 "
+                "in the DPOConfig to train without it."
+            )
+        aux = MoeAux(float(self.router_aux_loss_coef), top_k)
+        model.train()
+        micro = []
+        for batch in batches:
+            inputs = self._prepare_inputs(batch)
+            given = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+            micro.append({**given, "use_cache": False, "logits_to_keep": 1})
+        pairs = lambda inputs, outputs: inputs["input_ids"].shape[0] // 2  # noqa: E731
+        return window_routing(aux, model, micro, pairs, summed(self))
+
     training_step = offloaded_training_step
 
     def exact_count(self, inputs: dict[str, Any]) -> Any:
@@ -123,16 +166,54 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             (chosen / float(totals[_CHOSEN]) if t == "sft" else pairs / float(totals[_PAIRS]))
             for t in self.loss_types
         ]
-        weights = self.loss_weights
+        weights, coef = self.loss_weights, self.router_aux_loss_coef
+        routing = self._fb_routing if model.training else None
         metrics = self._metrics["train"]
         before = {key: len(v) for key, v in metrics.items()}
         self.loss_weights = [w * s for w, s in zip(weights, shares, strict=True)]
+        if routing is not None:  # TRL's per-micro-batch term, weighted by zero: see below
+            self.router_aux_loss_coef = 0.0
         try:
-            loss = DPOTrainer._compute_loss(self, model, inputs, False)
+            with self._router_logits(model, routing) as seen:
+                loss = DPOTrainer._compute_loss(self, model, inputs, False)
         finally:
-            self.loss_weights = weights
+            self.loss_weights, self.router_aux_loss_coef = weights, coef
+        loss_sum = loss * totals[_PAIRS].item()
+        if routing is not None:
+            if len(metrics.get("aux_loss", ())) > before.get("aux_loss", 0):
+                metrics["aux_loss"].pop()  # the micro-batch's; the window's is logged at its end
+            aux = routing.term_of(self._policy_logits(seen), inputs["attention_mask"])
+            loss_sum = loss_sum + aux.to(loss_sum.dtype)
+            scale = routing.items * routing.aux.coef
+            self._fb_aux = [aux.detach() / scale if scale else aux.detach()]
         self._window_metrics(k, metrics, before)
-        return loss * totals[_PAIRS].item(), torch.tensor(pairs, device=loss.device)
+        return loss_sum, torch.tensor(pairs, device=loss.device)
+
+    def _router_logits(
+        self, model: torch.nn.Module, routing: WindowRouting | None
+    ) -> AbstractContextManager[list[Any]]:
+        if routing is None:
+            return nullcontext([])
+        return router_logits_of(self.accelerator.unwrap_model(model))
+
+    @staticmethod
+    def _policy_logits(seen: list[Any]) -> Any:
+        """The policy forward's router logits: TRL runs it first; the reference's forward
+        (no gradient) follows through the same backbone only under PEFT without
+        ``ref_model``."""
+        reference = seen[1:2] and not any(t.requires_grad for t in seen[1])
+        if not seen or len(seen) > 1 + bool(reference):
+            raise ValueError(
+                f"the micro-batch's forwards returned router_logits {len(seen)} times, expected "
+                "once for the policy (and once more, without gradient, for a PEFT reference); "
+                "ExactDPOTrainer needs them for the window's load-balancing loss. Set "
+                "router_aux_loss_coef=0.0 in the DPOConfig to train without it."
+            )
+        return seen[0]
+
+    def exact_micro_stats(self) -> list[torch.Tensor]:
+        stats, self._fb_aux = self._fb_aux, []
+        return [s.double().reshape(1).to(self.args.device) for s in stats]
 
     def _window_metrics(self, k: int, metrics: dict[str, list[float]], before: dict) -> None:
         """Move the metrics TRL appended for micro-batch ``k`` into window sums, weighted by
@@ -150,6 +231,8 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
         for key, (weighted, weight) in self._fb_sums.items():
             self._metrics["train"][key].append(weighted / weight if weight > 0 else 0.0)
         self._fb_sums = {}
+        if len(totals) > 2:  # the window's load-balancing loss (TRL logs each micro-batch's)
+            self._metrics["train"]["aux_loss"].append(totals[2])
 
 
 ExactDPOTrainer.__init__.__signature__ = inspect.signature(DPOTrainer.__init__)  # type: ignore[attr-defined]
