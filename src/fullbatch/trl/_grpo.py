@@ -3,7 +3,8 @@
 TRL normalizes each micro-batch on its own; here the window is prepared and counted when it
 starts (sequences and completion tokens over its micro-batches and ranks: one count-ahead),
 each micro-batch's policy and entropy terms are rescaled to the window's denominator (a
-gradient-only scale, :mod:`fullbatch.trl._grpo_window`), metrics are merged per window, and
+gradient-only scale, :mod:`fullbatch.trl._grpo_window`), an MoE router aux loss is the
+window's (:mod:`fullbatch.trl._grpo_moe`), metrics are merged per window, and
 the window ends through the shared verdict in the share form (under DeepSpeed ZeRO 1-3 a
 window to skip carries a NaN loss, which DeepSpeed's overflow check skips). What it does,
 term by term, and what it measures: docs/integrations_grpo.md ("What it does").
@@ -21,6 +22,7 @@ import torch
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._wings._deepspeed import close_engine_window, scaled
 from fullbatch._wings._window import WingWindow, count_ahead
+from fullbatch.hf._moe import WindowRouting, router_logits_of
 from fullbatch.hf._window import (
     COUNT_FIX,
     KeepSchedule,
@@ -31,8 +33,9 @@ from fullbatch.hf._window import (
     wing,
 )
 from fullbatch.trl._grpo_config import check_config
+from fullbatch.trl._grpo_moe import grpo_aux, grpo_routing, window_term
 from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
-from fullbatch.trl._refuse import moe_aux_kept, reference
+from fullbatch.trl._refuse import reference
 
 try:
     from trl import GRPOTrainer
@@ -68,7 +71,10 @@ class ExactGRPOTrainer(GRPOTrainer):
     - ``dr_grpo``: ``Σ_i Σ_t ℓ / (|S_W| · max_completion_length)``
 
     with the KL term (``beta``) inside ``ℓ`` as TRL has it, minus ``entropy_coef`` times the
-    window's token-mean entropy.
+    window's token-mean entropy, plus, on a transformers MoE model with TRL's
+    ``router_aux_loss_coef``, that coefficient times the load-balancing loss of all the
+    window's sequences (one routing pre-pass per window; TRL takes each micro-batch's and
+    averages them; docs/moe.md). The logged ``aux_loss`` is the window's.
 
     Raises:
         ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
@@ -77,8 +83,10 @@ class ExactGRPOTrainer(GRPOTrainer):
             what ``fullbatch.hf.ExactTrainer`` refuses (DataParallel, FSDP1, a DeepSpeed clip
             other than ``max_grad_norm``, ...); ``beta != 0`` with a model built from a config
             (TRL would reload the KL reference from its empty ``_name_or_path``).
-        UserWarning: at construction, an enabled MoE router aux loss: it keeps TRL's
-            per-micro-batch weighting, not the window's (docs/moe.md).
+            With an enabled MoE router aux loss: a config without an int
+            ``num_experts_per_tok`` (at construction); a vision-language micro-batch (image
+            inputs), or a backbone that does not return the router logits once per forward
+            (at the window's start or first forward, before any backward).
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
     Example (see tests/integrations/test_trl_grpo.py for a whole run on a tiny model)::
@@ -108,8 +116,9 @@ class ExactGRPOTrainer(GRPOTrainer):
                 "or beta=0.0 (no KL term, no reference model).",
             )
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            moe_aux_kept("ExactGRPOTrainer", self.router_aux_loss_coef)
+        self._fb_aux = grpo_aux(self)  # TRL's MoE router aux loss, taken over the window
+        self._fb_routing: WindowRouting | None = None  # the window's routing counts
+        self._fb_router = 0.0  # this rank's sum of the window's load-balancing terms
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None
         self._fb_position = 0
@@ -143,6 +152,11 @@ class ExactGRPOTrainer(GRPOTrainer):
         finally:
             self._step = first
         self._fb_window = self._count_window(prepared)
+        self._fb_router = 0.0
+        if self._fb_aux is not None and prepared:  # one routing pre-pass per window
+            model = self.accelerator.unwrap_model(self.model)
+            autocast = self.accelerator.autocast()
+            self._fb_routing = grpo_routing(self._fb_aux, model, prepared, summed(self), autocast)
         self._fb_queue = deque((inputs, j) for j, inputs in enumerate(prepared))
         return batch_samples, num_items
 
@@ -216,10 +230,13 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     # -- the loss -------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        call = (model, input_ids, attention_mask, *args)
         if self._fb_scales is None:
-            return logps, entropies, aux
+            return super()._get_per_token_logps_and_entropies(*call, **kwargs)
+        logps, entropies, aux = self._window_aux(call, kwargs)
         policy, entropy = self._fb_scales
         self._fb_captured = (
             None if entropies is None else entropies.detach(),
@@ -229,6 +246,28 @@ class ExactGRPOTrainer(GRPOTrainer):
         if entropies is not None:
             entropies = _ScaleGrad.apply(entropies, entropy)
         return logps, entropies, aux
+
+    def _window_aux(self, call: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """TRL's log-probabilities, entropies and aux loss for this micro-batch, the aux loss
+        replaced (with a routing pre-pass) by its term of the window's load-balancing loss,
+        times ``world · k`` so that TRL's ``coef · aux / k`` is this micro-batch's share of
+        ``coef ·`` the window's loss (gradients are averaged over ``world`` ranks)."""
+        routing = self._fb_routing
+        if routing is None or not kwargs.get("compute_aux_loss"):
+            return super()._get_per_token_logps_and_entropies(*call, **kwargs)
+        with router_logits_of(self.accelerator.unwrap_model(call[0])) as seen:
+            logps, entropies, _ = super()._get_per_token_logps_and_entropies(*call, **kwargs)
+        if len(seen) != 1:
+            raise ValueError(
+                f"the forward's backbone returned router_logits {len(seen)} times, expected "
+                "once (one forward per micro-batch); ExactGRPOTrainer needs them for the "
+                "window's load-balancing loss. Set router_aux_loss_coef=0.0 in the GRPOConfig "
+                "to train without it."
+            )
+        term = window_term(routing, seen[0], call[2])
+        self._fb_router += float(term.detach())
+        k = self.current_gradient_accumulation_steps
+        return logps, entropies, term * (self.accelerator.num_processes * k)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         window = self._fb_window
@@ -286,14 +325,19 @@ class ExactGRPOTrainer(GRPOTrainer):
                 del metrics[key][before.get(key, 0) :]
         by_rows = self.importance_sampling_level == "sequence"
         window.add_metrics(j, appended, by_rows=by_rows)
-        had_policy = len(metrics.get("policy_loss", [])) > before.get("policy_loss", 0)
-        if had_policy:
-            del metrics["policy_loss"][before.get("policy_loss", 0) :]
+        had = {}  # TRL's per-micro-batch values replaced by the window's
+        for key in ("policy_loss", "aux_loss"):
+            had[key] = len(metrics.get(key, [])) > before.get(key, 0)
+            if had[key]:
+                del metrics[key][before.get(key, 0) :]
         if j == len(window) - 1:
             for key, value in window.merged_metrics().items():
                 metrics[key].append(value)
-            if had_policy:
-                share = torch.tensor(window.policy_share, device=self.accelerator.device)
+            if had["policy_loss"] or had["aux_loss"]:  # sums over ranks, in one reduction
+                pair = [window.policy_share / window.world, self._fb_router]
+                share = torch.tensor(pair, dtype=torch.float64, device=self.accelerator.device)
                 if window.world > 1:
                     share = self.accelerator.reduce(share, reduction="sum")
-                metrics["policy_loss"].append(float(share) / window.world)
+                for key, value in zip(had, share.tolist(), strict=True):
+                    if had[key]:  # aux_loss: the load-balancing loss of the window
+                        metrics[key].append(value)
