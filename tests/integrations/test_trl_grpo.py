@@ -3,10 +3,13 @@
 Each run trains a tiny random Qwen2 policy (float64, CPU, tokenizer built in code, a reward
 function in tests/_grpo_cases.py) for a few steps, records every micro-batch TRL trained on,
 and compares each step's gradient with the loss type's objective computed over exactly that
-step's sequences (tests/_grpo_cases.py, plain PyTorch). TRL computes log-probabilities in
-float32 chunks (its fused LM head), so the float64 reference agrees to about 2e-7 relative
-(measured over every run below: at most 2.4e-7); TOL leaves a factor 40 above that band,
-and stock GRPOTrainer's normalization errors are 1e-4 to 1e-1 in the same runs.
+step's sequences (tests/_grpo_cases.py, plain PyTorch); on a tiny Mixtral or Qwen2-MoE with
+``router_aux_loss_coef``, plus that coefficient times transformers' load-balancing loss of
+all the step's forwards pooled (the full batch's, docs/moe.md "GRPO"). TRL computes
+log-probabilities in float32 chunks (its fused LM head), so the float64 reference agrees to
+about 2e-7 relative (measured over every run below: at most 2.4e-7); TOL leaves a factor 40
+above that band, and stock GRPOTrainer's normalization errors are 1e-4 to 1e-1 in the same
+runs.
 """
 
 from __future__ import annotations

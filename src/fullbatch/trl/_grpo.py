@@ -22,7 +22,7 @@ import torch
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._wings._deepspeed import close_engine_window, scaled
 from fullbatch._wings._window import WingWindow, count_ahead
-from fullbatch.hf._moe import WindowRouting, router_logits_of
+from fullbatch.hf._moe import WindowRouting
 from fullbatch.hf._window import (
     COUNT_FIX,
     KeepSchedule,
@@ -33,8 +33,8 @@ from fullbatch.hf._window import (
     wing,
 )
 from fullbatch.trl._grpo_config import check_config
-from fullbatch.trl._grpo_moe import grpo_aux, grpo_routing, window_term
-from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
+from fullbatch.trl._grpo_moe import grpo_aux, grpo_routing, routed_forward
+from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow, ScaleGrad
 from fullbatch.trl._refuse import reference
 
 try:
@@ -43,19 +43,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("fullbatch.trl needs TRL: pip install 'fullbatch[trl]'") from exc
 
 __all__ = ["ExactGRPOTrainer"]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class ExactGRPOTrainer(GRPOTrainer):
@@ -231,43 +218,30 @@ class ExactGRPOTrainer(GRPOTrainer):
     # -- the loss -------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(
-        self, model: Any, input_ids: Any, attention_mask: Any, *args: Any, **kwargs: Any
+        self, model: Any, input_ids: Any, mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        call = (model, input_ids, attention_mask, *args)
+        call = (model, input_ids, mask, *args)
+        parent = super()._get_per_token_logps_and_entropies
         if self._fb_scales is None:
-            return super()._get_per_token_logps_and_entropies(*call, **kwargs)
-        logps, entropies, aux = self._window_aux(call, kwargs)
+            return parent(*call, **kwargs)
+        if self._fb_routing is None or not kwargs.get("compute_aux_loss"):
+            logps, entropies, aux = parent(*call, **kwargs)
+        else:  # TRL adds coef · aux / k: make it this micro-batch's share of the window's
+            unwrapped = self.accelerator.unwrap_model(model)
+            logps, entropies, term = routed_forward(
+                self._fb_routing, unwrapped, mask, lambda: parent(*call, **kwargs)
+            )
+            self._fb_router += float(term.detach())
+            aux = term * (self.accelerator.num_processes * self.current_gradient_accumulation_steps)
         policy, entropy = self._fb_scales
         self._fb_captured = (
             None if entropies is None else entropies.detach(),
             None if aux is None else aux.detach(),
         )
-        logps = _ScaleGrad.apply(logps, policy)
+        logps = ScaleGrad.apply(logps, policy)
         if entropies is not None:
-            entropies = _ScaleGrad.apply(entropies, entropy)
+            entropies = ScaleGrad.apply(entropies, entropy)
         return logps, entropies, aux
-
-    def _window_aux(self, call: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """TRL's log-probabilities, entropies and aux loss for this micro-batch, the aux loss
-        replaced (with a routing pre-pass) by its term of the window's load-balancing loss,
-        times ``world · k`` so that TRL's ``coef · aux / k`` is this micro-batch's share of
-        ``coef ·`` the window's loss (gradients are averaged over ``world`` ranks)."""
-        routing = self._fb_routing
-        if routing is None or not kwargs.get("compute_aux_loss"):
-            return super()._get_per_token_logps_and_entropies(*call, **kwargs)
-        with router_logits_of(self.accelerator.unwrap_model(call[0])) as seen:
-            logps, entropies, _ = super()._get_per_token_logps_and_entropies(*call, **kwargs)
-        if len(seen) != 1:
-            raise ValueError(
-                f"the forward's backbone returned router_logits {len(seen)} times, expected "
-                "once (one forward per micro-batch); ExactGRPOTrainer needs them for the "
-                "window's load-balancing loss. Set router_aux_loss_coef=0.0 in the GRPOConfig "
-                "to train without it."
-            )
-        term = window_term(routing, seen[0], call[2])
-        self._fb_router += float(term.detach())
-        k = self.current_gradient_accumulation_steps
-        return logps, entropies, term * (self.accelerator.num_processes * k)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         window = self._fb_window
@@ -317,19 +291,8 @@ class ExactGRPOTrainer(GRPOTrainer):
     def _merge_metrics(
         self, window: GRPOWindow, j: int, metrics: Any, before: dict[str, int]
     ) -> None:
-        keys = set(GRPOWindow.merged_keys())
-        appended: dict[str, list[float]] = {}
-        for key in list(metrics):
-            if key in keys and len(metrics[key]) > before.get(key, 0):
-                appended[key] = metrics[key][before.get(key, 0) :]
-                del metrics[key][before.get(key, 0) :]
         by_rows = self.importance_sampling_level == "sequence"
-        window.add_metrics(j, appended, by_rows=by_rows)
-        had = {}  # TRL's per-micro-batch values replaced by the window's
-        for key in ("policy_loss", "aux_loss"):
-            had[key] = len(metrics.get(key, [])) > before.get(key, 0)
-            if had[key]:
-                del metrics[key][before.get(key, 0) :]
+        had = window.take_metrics(j, metrics, before, by_rows=by_rows)
         if j == len(window) - 1:
             for key, value in window.merged_metrics().items():
                 metrics[key].append(value)

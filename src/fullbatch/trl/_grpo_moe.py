@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from fullbatch._base._moe import MoeAux, load_balancing
-from fullbatch.hf._moe import WindowRouting, window_routing
+from fullbatch.hf._moe import WindowRouting, router_logits_of, window_routing
 
-__all__ = ["grpo_aux", "grpo_routing", "window_term"]
+__all__ = ["grpo_aux", "grpo_routing", "routed_forward"]
 
 # prepared-input keys TRL passes to the model besides ids and mask (vision-language models)
 _EXTRA_INPUTS = (
@@ -91,9 +91,24 @@ def _rows(inputs: dict[str, Any], outputs: Any) -> float:
     return float(inputs["input_ids"].shape[0])
 
 
-def window_term(
-    routing: WindowRouting, router_logits: Any, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """This micro-batch's term of the window's load-balancing loss (with its gradient): summed
-    over the window's micro-batches and ranks, the full batch's loss."""
-    return load_balancing(router_logits, routing.counts, attention_mask=attention_mask)
+def routed_forward(
+    routing: WindowRouting,
+    model: torch.nn.Module,
+    attention_mask: torch.Tensor,
+    forward: Callable[[], tuple[Any, Any, Any]],
+) -> tuple[Any, Any, torch.Tensor]:
+    """TRL's ``forward`` of one micro-batch (log-probabilities, entropies, its aux loss) with
+    the aux loss replaced by this micro-batch's term of the window's load-balancing loss (with
+    its gradient; summed over the window's micro-batches and ranks, the full batch's loss).
+    TRL's fused head returns no router logits: a hook on ``model``'s backbone reads them."""
+    with router_logits_of(model) as seen:
+        logps, entropies, _ = forward()
+    if len(seen) != 1:
+        raise ValueError(
+            f"the forward's backbone returned router_logits {len(seen)} times, expected once "
+            "(one forward per micro-batch); ExactGRPOTrainer needs them for the window's "
+            "load-balancing loss. Set router_aux_loss_coef=0.0 in the GRPOConfig to train "
+            "without it."
+        )
+    term = load_balancing(seen[0], routing.counts, attention_mask=attention_mask)
+    return logps, entropies, term
