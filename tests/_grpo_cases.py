@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -39,14 +41,11 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def policy(seed: int = 0, moe: bool = False, dtype: torch.dtype = torch.float64) -> Any:
-    """A tiny Qwen2 (or, with ``moe``, Qwen2-MoE: 4 experts, 2 per token) in ``dtype``."""
-    kind = Qwen2MoeConfig if moe else Qwen2Config
-    extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-    extra.update(shared_expert_intermediate_size=16, output_router_logits=False)
-    extra.update(experts_implementation="eager")  # grouped_mm has no float64
-    config = kind(
-        **(extra if moe else {}),
+def policy(seed: int = 0, moe: bool | str = False, dtype: torch.dtype = torch.float64) -> Any:
+    """A tiny Qwen2 in ``dtype``; with ``moe``, a Qwen2-MoE (``True`` or ``"qwen2_moe"``: 1
+    layer, 4 experts, 2 per token, a shared expert) or a Mixtral (``"mixtral"``: 2 layers, 4
+    experts, 2 per token)."""
+    common: dict[str, Any] = dict(
         vocab_size=len(VOCAB),
         hidden_size=16,
         intermediate_size=32,
@@ -58,11 +57,36 @@ def policy(seed: int = 0, moe: bool = False, dtype: torch.dtype = torch.float64)
         eos_token_id=1,
         bos_token_id=1,
     )
+    routed = {"num_experts_per_tok": 2, "output_router_logits": False}
+    routed.update(experts_implementation="eager")  # grouped_mm has no float64
+    kind: Any
+    if moe == "mixtral":
+        common.update(routed, num_local_experts=4, num_hidden_layers=2)
+        kind, model_cls = MixtralConfig, MixtralForCausalLM
+    elif moe:
+        common.update(routed, num_experts=4, moe_intermediate_size=16)
+        common.update(shared_expert_intermediate_size=16)
+        kind, model_cls = Qwen2MoeConfig, Qwen2MoeForCausalLM
+    else:
+        kind, model_cls = Qwen2Config, Qwen2ForCausalLM
+    config = kind(**common)
     torch.manual_seed(seed)
-    model = (Qwen2MoeForCausalLM if moe else Qwen2ForCausalLM)(config).to(dtype)
+    model = model_cls(config).to(dtype)
     with torch.no_grad():  # end completions sooner, so that their lengths differ
         model.lm_head.weight[1] += 0.3 * model.lm_head.weight.abs().mean()
     return model
+
+
+def moe_kind(model_or_params: Any) -> bool | str:
+    """What :func:`policy` takes to rebuild this model (or these named parameters)."""
+    names = (
+        model_or_params
+        if isinstance(model_or_params, dict)
+        else dict(model_or_params.named_parameters())
+    )
+    if "model.layers.0.mlp.gate.weight" not in names:
+        return False
+    return "qwen2_moe" if any("shared_expert" in n for n in names) else "mixtral"
 
 
 def reward(completions: list[str], **kwargs: Any) -> list[float]:
@@ -108,9 +132,10 @@ def run(
     *,
     max_steps: int = 4,
     seed: int = 0,
-    moe: bool = False,
+    moe: bool | str = False,
     dtype: torch.dtype = torch.float64,
     recorder: type = _Recorder,
+    rewards: Any = reward,
     **config: Any,
 ) -> Any:
     from trl import GRPOConfig
@@ -143,7 +168,7 @@ def run(
         warnings.simplefilter("ignore")
         trainer = recording(trainer_cls)(
             model=model,
-            reward_funcs=reward,
+            reward_funcs=rewards,
             args=args,
             train_dataset=dataset(),
             processing_class=tokenizer(),
@@ -154,16 +179,38 @@ def run(
     return trainer
 
 
-def _token_terms(model: Any, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _token_terms(model: Any, micro: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """Per-token log-probabilities and entropies of one micro-batch's forward (TRL's padding
+    layout), with, on an MoE model, its aux loss, router logits and attention mask."""
     ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
     mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
     width = micro["completion_ids"].shape[1]
-    moe = {"output_router_logits": True} if hasattr(model.config, "num_experts") else {}
+    moe = {"output_router_logits": True} if moe_kind(model) else {}
     outputs = model(input_ids=ids, attention_mask=mask, **moe)
     logp = outputs.logits[:, -width - 1 : -1].double().log_softmax(-1)
     token_logp = logp.gather(-1, micro["completion_ids"][..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy, getattr(outputs, "aux_loss", None)
+    routed = (getattr(outputs, "aux_loss", None), getattr(outputs, "router_logits", None), mask)
+    return token_logp, entropy, routed
+
+
+def window_aux(model: Any, routed: list[tuple[Any, ...]]) -> torch.Tensor:
+    """The load-balancing loss of one full batch made of all the micro-batches' forwards:
+    every forward's router logits pooled per layer and their attention masks concatenated,
+    written out in float64 (``_moe_cases.aux64``); transformers' own
+    ``load_balancing_loss_func`` (which sums in float32) agrees to that precision."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from _moe_cases import EXPERTS, TOP_K, aux64
+
+    text = model.config
+    assert (text.num_experts, text.num_experts_per_tok) == (EXPERTS, TOP_K)
+    layers = tuple(torch.cat(layer) for layer in zip(*(r[1] for r in routed), strict=True))
+    mask = torch.cat([r[2].reshape(-1) for r in routed])[None]
+    value = aux64(layers, mask)
+    stock = load_balancing_loss_func(layers, EXPERTS, TOP_K, mask).detach()
+    assert abs(float(stock) - value.item()) < 1e-6 * abs(value.item()), (stock, value)
+    return value
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -179,7 +226,9 @@ def settings(trainer: Any) -> dict[str, Any]:
     out["epsilon_low"] = args.epsilon
     out["epsilon_high"] = args.epsilon if args.epsilon_high is None else args.epsilon_high
     out["router"] = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
-    out["moe"] = hasattr(trainer.model.config, "num_experts")
+    out["moe"] = moe_kind(trainer.model)
+    # the router loss fullbatch's trainer takes over the window; TRL's, per micro-batch
+    out["router_window"] = hasattr(trainer, "fullbatch_route")
     return out
 
 
@@ -222,8 +271,10 @@ def objective(config: dict[str, Any], model: Any, micros: list[dict[str, Any]]) 
     else:
         total = (loss * m).sum() / tokens
     total = total - args.entropy_coef * (ent * m).sum() / tokens
-    if args.router:  # a statistic of each micro-batch's router load: the micro-batches' mean
-        total = total + args.router * torch.stack(routers).mean()
+    if args.router and args.router_window:  # the load-balancing loss of the whole window
+        total = total + args.router * window_aux(model, routers)
+    elif args.router:  # TRL's: each micro-batch's own, the micro-batches' mean
+        total = total + args.router * torch.stack([r[0] for r in routers]).mean()
     return total
 
 
@@ -239,7 +290,7 @@ def reference(config: dict[str, Any], step: dict[str, Any]) -> tuple[dict[str, A
 
 def window_entropy(step: dict[str, Any]) -> float:
     """The token mean of the entropy over the step's sequences, at its parameters."""
-    model = policy(moe="model.layers.0.mlp.gate.weight" in step["params"])
+    model = policy(moe=moe_kind(step["params"]))
     model.load_state_dict(step["params"])
     with torch.no_grad():
         total = count = 0.0
@@ -248,6 +299,14 @@ def window_entropy(step: dict[str, Any]) -> float:
             total += float((ent * micro["completion_mask"]).sum())
             count += float(micro["completion_mask"].sum())
     return total / max(count, 1.0)
+
+
+def window_aux_value(step: dict[str, Any]) -> float:
+    """The load-balancing loss of the step's sequences (all micro-batches), at its parameters."""
+    model = policy(moe=moe_kind(step["params"]))
+    model.load_state_dict(step["params"])
+    with torch.no_grad():
+        return float(window_aux(model, [_token_terms(model, m)[2] for m in step["micro"]]))
 
 
 def window_kl(config: dict[str, Any], step: dict[str, Any]) -> float:

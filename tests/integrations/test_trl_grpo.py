@@ -3,10 +3,13 @@
 Each run trains a tiny random Qwen2 policy (float64, CPU, tokenizer built in code, a reward
 function in tests/_grpo_cases.py) for a few steps, records every micro-batch TRL trained on,
 and compares each step's gradient with the loss type's objective computed over exactly that
-step's sequences (tests/_grpo_cases.py, plain PyTorch). TRL computes log-probabilities in
-float32 chunks (its fused LM head), so the float64 reference agrees to about 2e-7 relative
-(measured over every run below: at most 2.4e-7); TOL leaves a factor 40 above that band,
-and stock GRPOTrainer's normalization errors are 1e-4 to 1e-1 in the same runs.
+step's sequences (tests/_grpo_cases.py, plain PyTorch); on a tiny Mixtral or Qwen2-MoE with
+``router_aux_loss_coef``, plus that coefficient times transformers' load-balancing loss of
+all the step's forwards pooled (the full batch's, docs/moe.md "GRPO"). TRL computes
+log-probabilities in float32 chunks (its fused LM head), so the float64 reference agrees to
+about 2e-7 relative (measured over every run below: at most 2.4e-7); TOL leaves a factor 40
+above that band, and stock GRPOTrainer's normalization errors are 1e-4 to 1e-1 in the same
+runs.
 """
 
 from __future__ import annotations
@@ -82,16 +85,19 @@ def test_dapo_without_extra_terms_and_stock_error() -> None:
     assert min(stock) > 1e-2, stock
 
 
-@pytest.mark.parametrize(("loss_type", "spg", "ga"), [("dapo", 4, 2), ("grpo", 2, 4)])
-def test_moe_router_loss_is_the_mean_over_the_windows_micro_batches(
-    loss_type: str, spg: int, ga: int
-) -> None:
-    """A tiny Qwen2-MoE with router_aux_loss_coef=0.1 (without the router term the reference
-    is 8-12% off, so the check sees it): the router loss keeps TRL's weighting, the mean of
-    each micro-batch's load-balancing loss over the window."""
+@pytest.mark.parametrize(
+    ("moe", "loss_type", "spg", "ga"), [("mixtral", "dapo", 4, 2), ("qwen2_moe", "grpo", 2, 4)]
+)
+def test_moe_router_loss_is_the_windows(moe: str, loss_type: str, spg: int, ga: int) -> None:
+    """A tiny Mixtral (2 layers) and Qwen2-MoE with router_aux_loss_coef=0.1, micro-batches of
+    uneven completion lengths and padding: each step is the policy objective plus 0.1 times
+    transformers' load-balancing loss of all the window's forwards pooled (measured 0.8e-7 to
+    1.8e-7, the float32 band of TRL's fused head); TRL's own form, the mean of each
+    micro-batch's load-balancing loss, is 2.2e-3 to 1.8e-2 from the same steps. The logged loss
+    and aux_loss are the window's."""
     trainer = cases.run(
         ExactGRPOTrainer,
-        moe=True,
+        moe=moe,
         loss_type=loss_type,
         steps_per_generation=spg,
         gradient_accumulation_steps=ga,
@@ -102,6 +108,9 @@ def test_moe_router_loss_is_the_mean_over_the_windows_micro_batches(
     assert trainer.aux_loss_enabled
     errors = _check(trainer)
     assert max(errors) < TOL, errors
+    config = {**cases.settings(trainer), "router_window": False}
+    stock_form = cases.step_errors(config, trainer._recorder.steps)
+    assert min(stock_form) > 1e-3, stock_form
     _check_logs(trainer)
 
 
@@ -133,7 +142,10 @@ def _check_logs(trainer: Any) -> None:
             # KL ~ (ref - lp)^2 / 2 is built from TRL's float32 log-probabilities (2.4e-7 band):
             # measured 1.1e-8 from the reference; the mean of micro-batch means is 3e-6 off
             assert log["kl"] == pytest.approx(cases.window_kl(config, step), rel=TOL, abs=1e-7)
-        if not config["router"]:  # the policy term: the objective without the entropy bonus
+        if config["router"]:  # the window's load-balancing loss (float64 throughout)
+            aux = cases.window_aux_value(step)
+            assert log["aux_loss"] == pytest.approx(aux, rel=1e-12), (log["aux_loss"], aux)
+        else:  # the policy term: the objective without the entropy bonus
             policy = value + config["entropy_coef"] * entropy
             assert abs(policy) > 1e-3  # not a check that cannot fail (GRPO's is ~0 at ratio 1)
             assert log["policy_loss"] == pytest.approx(policy, rel=TOL, abs=1e-7)
@@ -196,7 +208,8 @@ def test_training_step_outside_train_raises() -> None:
 
 def test_two_gloo_ranks() -> None:
     """Two DDP ranks (gloo, CPU): every rank's gradient at every step equals the objective
-    over both ranks' sequences of that step; stock GRPOTrainer is off for DAPO (spg != GA)."""
+    over both ranks' sequences of that step (on a tiny Mixtral, with the load-balancing loss
+    of both ranks' forwards pooled); stock GRPOTrainer is off for DAPO (spg != GA)."""
     from _dist import run_ranks, values
 
     runs = [
@@ -206,6 +219,14 @@ def test_two_gloo_ranks() -> None:
             "steps_per_generation": 1,
             "gradient_accumulation_steps": 2,
             "entropy_coef": 0.05,
+            "stock": False,
+        },
+        {  # the load-balancing loss of both ranks' sequences (one pre-pass reduction)
+            "loss_type": "dapo",
+            "moe": "mixtral",
+            "router_aux_loss_coef": 0.1,
+            "steps_per_generation": 2,
+            "gradient_accumulation_steps": 2,
             "stock": False,
         },
     ]
@@ -310,3 +331,52 @@ def test_a_non_finite_window_is_skipped_as_in_every_wing() -> None:
     skips = [w for w in caught if "was skipped" in str(w.message)]
     assert len(skips) == 1 and skips[0].filename == __file__, skips
     assert str(skips[0].message).startswith("window 1 was skipped (non-finite loss)")
+
+
+def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> None:
+    """The aux term alone, away from TRL's float32 fused head: with one reward for every
+    completion the advantages are 0, so the policy term's gradient is exactly 0 and each step's
+    gradient is 0.1 times that of the window's load-balancing loss (a tiny Mixtral, 2 windows
+    of 2 micro-batches of uneven padded sequences), written in float64 here: measured 2.4e-16
+    and 6.0e-16 relative; TRL's mean of the micro-batches' losses is 4.6e-2 and 1.7e-1 away.
+    The routing pre-pass ran once per window, over all its micro-batches."""
+    from fullbatch.trl import _grpo_moe
+
+    passes: list[int] = []
+    prepass = _grpo_moe.window_routing
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(len(args[2]))  # the window's micro-batches
+        return prepass(*args, **kwargs)
+
+    monkeypatch.setattr(_grpo_moe, "window_routing", counted)
+    trainer = cases.run(
+        ExactGRPOTrainer,
+        moe="mixtral",
+        rewards=lambda completions, **kw: [1.0] * len(completions),
+        loss_type="dapo",
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        router_aux_loss_coef=0.1,
+        max_steps=2,
+    )
+    assert passes == [2, 2]
+    for step in trainer._recorder.steps:
+        masks = [m["completion_mask"] for m in step["micro"]]
+        assert len({tuple(m.sum(1).tolist()) for m in masks}) > 1  # uneven completions
+        model = cases.policy(moe="mixtral")
+        model.load_state_dict(step["params"])
+        routed = [cases._token_terms(model, m)[2] for m in step["micro"]]
+        (0.1 * cases.window_aux(model, routed)).backward(retain_graph=True)
+        want = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        err = _rel(step["grads"], want)
+        assert err < 1e-12, err
+        model.zero_grad(set_to_none=True)
+        (0.1 * torch.stack([r[0] for r in routed]).mean()).backward()  # TRL's form
+        stock = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        assert _rel(step["grads"], stock) > 1e-2, _rel(step["grads"], stock)
+
+
+def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    num = sum(((got[k] - want[k]) ** 2).sum() for k in want)
+    return float((num / sum((w**2).sum() for w in want.values())).sqrt())

@@ -6,8 +6,9 @@ engine steps inside the last backward, a window to skip carries a NaN scale (Dee
 overflow check skips it), and the verdict reads DeepSpeed's norm. Each step's applied gradient
 (from the SGD update on the whole float32 parameters, tests/_grpo_ds_cases.py) equals the loss
 type's objective over exactly that step's sequences on every rank (tests/_grpo_cases.py,
-float64); stock GRPOTrainer on the same DAPO run is off by more than 1e-2. ZeRO stage 0 is
-refused with its reason.
+float64; on a tiny Mixtral with ``router_aux_loss_coef``, with the load-balancing loss of the
+window's forwards on both ranks pooled); stock GRPOTrainer on the same DAPO run is off by more
+than 1e-2. ZeRO stage 0 is refused with its reason.
 """
 
 from __future__ import annotations
@@ -32,12 +33,19 @@ pytestmark = pytest.mark.timeout(600)
 BAND = 1e-5
 DAPO = {"loss_type": "dapo", "steps_per_generation": 2, "gradient_accumulation_steps": 4}
 GRPO = {"loss_type": "grpo", "steps_per_generation": 4, "gradient_accumulation_steps": 2}
+MOE = {"loss_type": "dapo", "steps_per_generation": 2, "gradient_accumulation_steps": 2}
 RUNS = {
     1: [
         {"stage": 2, "offload": True, "stock": True, **DAPO},
         {"stage": 3, "offload": False, "stock": False, "entropy_coef": 0.05, **GRPO},
     ],
-    2: [{"stage": 3, "offload": True, "stock": True, "per_device_train_batch_size": 2, **DAPO}],
+    2: [
+        {"stage": 3, "offload": True, "stock": True, "per_device_train_batch_size": 2, **DAPO},
+        # a Mixtral's load-balancing loss over both ranks' window (the pre-pass gathers ZeRO-3's
+        # partitioned parameters in its forwards)
+        {"stage": 3, "offload": False, "stock": False, "per_device_train_batch_size": 2}
+        | {"moe": "mixtral", "router_aux_loss_coef": 0.1, **MOE},
+    ],
 }
 
 

@@ -2,7 +2,8 @@
 the window's token-mean cross-entropy plus ``router_aux_loss_coef`` times transformers' pooled
 load-balancing loss over the whole window (all micro-batches, all ranks; docs/moe.md), written
 here in plain float64 PyTorch; the stock ``trl.SFTTrainer`` adds each micro-batch's own aux
-term and is measurably off (``ExactDPOTrainer``: tests/integrations/test_trl_dpo_moe.py).
+term and is measurably off (``ExactDPOTrainer``: tests/integrations/test_trl_dpo_moe.py;
+``ExactGRPOTrainer`` takes it over the window too, its steps: tests/integrations/test_trl_grpo.py).
 
 The models are float64, but TRL's fused LM head accumulates its logits in float32: TRL's own
 full batch (``SFTTrainer``, all rows in one micro-batch) is about 1e-7 off the float64
@@ -12,6 +13,7 @@ logged ``aux_loss`` (no float32 inside) is held to 1e-9."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import warnings
@@ -105,35 +107,63 @@ def test_exact_sft_moe_without_aux_is_plain(tmp_path: Any) -> None:
     assert rel_err(got, want) < TOL, rel_err(got, want)
 
 
-def test_grpo_warns_that_its_router_loss_is_per_micro_batch(tmp_path: Any) -> None:
-    """ExactGRPOTrainer keeps TRL's per-micro-batch router loss (tests/integrations/
-    test_trl_grpo.py checks that weighting): it says so at construction, naming the value and
-    the fix; with ``router_aux_loss_coef=0.0`` it says nothing."""
+def _grpo(tmp_path: Any, coef: float, model: Any = None) -> Any:
     from trl import GRPOConfig
 
     import _grpo_cases as grpo
     from fullbatch.trl import ExactGRPOTrainer
 
-    def build(coef: float) -> Any:
-        args = GRPOConfig(
-            str(tmp_path), use_cpu=True, bf16=False, report_to=[], router_aux_loss_coef=coef,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        )  # fmt: skip
-        return ExactGRPOTrainer(
-            model=grpo.policy(0, True),
-            reward_funcs=grpo.reward,
-            args=args,
-            train_dataset=grpo.dataset(),
-            processing_class=grpo.tokenizer(),
-        )
+    args = GRPOConfig(
+        str(tmp_path), use_cpu=True, bf16=False, report_to=[], router_aux_loss_coef=coef,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+    )  # fmt: skip
+    return ExactGRPOTrainer(
+        model=grpo.policy(0, "mixtral") if model is None else model,
+        reward_funcs=grpo.reward,
+        args=args,
+        train_dataset=grpo.dataset(),
+        processing_class=grpo.tokenizer(),
+    )
 
-    with pytest.warns(UserWarning, match=r"router_aux_loss_coef=0\.1\) per micro-batch"):
-        build(0.1)
+
+def test_grpo_takes_its_router_loss_over_the_window(tmp_path: Any) -> None:
+    """ExactGRPOTrainer takes TRL's router loss over the window (tests/integrations/
+    test_trl_grpo.py checks the steps): it builds without a fullbatch warning, with the
+    coefficient and experts per token it will use; with ``router_aux_loss_coef=0.0`` it takes
+    none, as TRL."""
+    from conftest import from_fullbatch
+    from fullbatch._base._moe import MoeAux
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = build(0.0)
-    assert not trainer.aux_loss_enabled
-    assert not [w for w in caught if "router_aux_loss_coef" in str(w.message)]
+        trainer = _grpo(tmp_path, 0.1)
+    assert not [w for w in caught if from_fullbatch(w.filename)], caught
+    assert trainer.aux_loss_enabled and trainer._fb_aux == MoeAux(0.1, 2)
+    off = _grpo(tmp_path, 0.0)
+    assert not off.aux_loss_enabled and off._fb_aux is None
+
+
+def test_grpo_refuses_a_router_loss_it_cannot_take_over_the_window(tmp_path: Any) -> None:
+    """A config without an int ``num_experts_per_tok`` is refused at construction, and a
+    micro-batch with image inputs before the pre-pass runs a forward, each naming the value
+    and the fix (``router_aux_loss_coef=0.0``)."""
+    import _grpo_cases as grpo
+    from fullbatch._base._moe import MoeAux
+    from fullbatch.trl._grpo_moe import grpo_routing
+
+    model = grpo.policy(0, "mixtral")
+    model.config.__dict__["num_experts_per_tok"] = None  # a custom config (transformers' check)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=None.*router_aux_loss_coef=0\.0"):
+        _grpo(tmp_path, 0.1, model)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    micro = {"prompt_ids": ids, "prompt_mask": ids, "completion_ids": ids, "completion_mask": ids}
+    micro["pixel_values"] = torch.zeros(2, 3, 4, 4)
+
+    def no_forward(**kwargs: Any) -> Any:
+        raise AssertionError("the pre-pass ran a forward")
+
+    with pytest.raises(ValueError, match=r"\['pixel_values'\].*router_aux_loss_coef=0\.0"):
+        grpo_routing(MoeAux(0.1, 2), no_forward, [micro], None, contextlib.nullcontext())  # type: ignore[arg-type]
 
 
 def test_check_trainer_judges_the_moe_aux_loss(tmp_path: Any) -> None:

@@ -8,9 +8,9 @@ that cannot be made exact are refused at construction, with the reason. See
 ``docs/integrations_trl.md`` and ``docs/integrations_grpo.md``.
 
 Modules: ``_sft``, ``_dpo``, ``_grpo`` (the trainers), ``_step`` (their shared micro-batch
-step), ``_grpo_window`` (a GRPO window's numbers), ``_refuse`` and ``_grpo_config``
-(settings refused up front), ``_objective`` (a stock TRL trainer's objective per micro-batch,
-for ``fb.probe``).
+step), ``_grpo_window`` (a GRPO window's numbers), ``_grpo_moe`` (a GRPO window's MoE
+load-balancing term), ``_refuse`` and ``_grpo_config`` (settings refused up front),
+``_objective`` (a stock TRL trainer's objective per micro-batch, for ``fb.probe``).
 
 >>> import fullbatch.trl
 >>> fullbatch.trl.ExactSFTTrainer.__mro__[2].__name__

@@ -3,7 +3,8 @@
 TRL normalizes each micro-batch on its own; here the window is prepared and counted when it
 starts (sequences and completion tokens over its micro-batches and ranks: one count-ahead),
 each micro-batch's policy and entropy terms are rescaled to the window's denominator (a
-gradient-only scale, :mod:`fullbatch.trl._grpo_window`), metrics are merged per window, and
+gradient-only scale, :mod:`fullbatch.trl._grpo_window`), an MoE router aux loss is the
+window's (:mod:`fullbatch.trl._grpo_moe`), metrics are merged per window, and
 the window ends through the shared verdict in the share form (under DeepSpeed ZeRO 1-3 a
 window to skip carries a NaN loss, which DeepSpeed's overflow check skips). What it does,
 term by term, and what it measures: docs/integrations_grpo.md ("What it does").
@@ -21,6 +22,7 @@ import torch
 from fullbatch._base._verdict import WindowCounters, WindowTotals
 from fullbatch._wings._deepspeed import close_engine_window, scaled
 from fullbatch._wings._window import WingWindow, count_ahead
+from fullbatch.hf._moe import WindowRouting
 from fullbatch.hf._window import (
     COUNT_FIX,
     KeepSchedule,
@@ -31,8 +33,9 @@ from fullbatch.hf._window import (
     wing,
 )
 from fullbatch.trl._grpo_config import check_config
-from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow
-from fullbatch.trl._refuse import moe_aux_kept, reference
+from fullbatch.trl._grpo_moe import grpo_aux, grpo_routing, routed_forward
+from fullbatch.trl._grpo_window import TOKEN_LOSSES, GRPOWindow, ScaleGrad
+from fullbatch.trl._refuse import reference
 
 try:
     from trl import GRPOTrainer
@@ -40,19 +43,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError("fullbatch.trl needs TRL: pip install 'fullbatch[trl]'") from exc
 
 __all__ = ["ExactGRPOTrainer"]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class ExactGRPOTrainer(GRPOTrainer):
@@ -68,7 +58,10 @@ class ExactGRPOTrainer(GRPOTrainer):
     - ``dr_grpo``: ``Σ_i Σ_t ℓ / (|S_W| · max_completion_length)``
 
     with the KL term (``beta``) inside ``ℓ`` as TRL has it, minus ``entropy_coef`` times the
-    window's token-mean entropy.
+    window's token-mean entropy, plus, on a transformers MoE model with TRL's
+    ``router_aux_loss_coef``, that coefficient times the load-balancing loss of all the
+    window's sequences (one routing pre-pass per window; TRL takes each micro-batch's and
+    averages them; docs/moe.md). The logged ``aux_loss`` is the window's.
 
     Raises:
         ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
@@ -77,8 +70,10 @@ class ExactGRPOTrainer(GRPOTrainer):
             what ``fullbatch.hf.ExactTrainer`` refuses (DataParallel, FSDP1, a DeepSpeed clip
             other than ``max_grad_norm``, ...); ``beta != 0`` with a model built from a config
             (TRL would reload the KL reference from its empty ``_name_or_path``).
-        UserWarning: at construction, an enabled MoE router aux loss: it keeps TRL's
-            per-micro-batch weighting, not the window's (docs/moe.md).
+            With an enabled MoE router aux loss: a config without an int
+            ``num_experts_per_tok`` (at construction); a vision-language micro-batch (image
+            inputs), or a backbone that does not return the router logits once per forward
+            (at the window's start or first forward, before any backward).
         RuntimeError: ``training_step`` called outside ``train()`` (the window was not read).
 
     Example (see tests/integrations/test_trl_grpo.py for a whole run on a tiny model)::
@@ -108,8 +103,9 @@ class ExactGRPOTrainer(GRPOTrainer):
                 "or beta=0.0 (no KL term, no reference model).",
             )
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            moe_aux_kept("ExactGRPOTrainer", self.router_aux_loss_coef)
+        self._fb_aux = grpo_aux(self)  # TRL's MoE router aux loss, taken over the window
+        self._fb_routing: WindowRouting | None = None  # the window's routing counts
+        self._fb_router = 0.0  # this rank's sum of the window's load-balancing terms
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None
         self._fb_position = 0
@@ -143,6 +139,11 @@ class ExactGRPOTrainer(GRPOTrainer):
         finally:
             self._step = first
         self._fb_window = self._count_window(prepared)
+        self._fb_router = 0.0
+        if self._fb_aux is not None and prepared:  # one routing pre-pass per window
+            model = self.accelerator.unwrap_model(self.model)
+            autocast = self.accelerator.autocast()
+            self._fb_routing = grpo_routing(self._fb_aux, model, prepared, summed(self), autocast)
         self._fb_queue = deque((inputs, j) for j, inputs in enumerate(prepared))
         return batch_samples, num_items
 
@@ -216,18 +217,30 @@ class ExactGRPOTrainer(GRPOTrainer):
 
     # -- the loss -------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: Any, mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        call = (model, input_ids, mask, *args)
+        parent = super()._get_per_token_logps_and_entropies
         if self._fb_scales is None:
-            return logps, entropies, aux
+            return parent(*call, **kwargs)
+        if self._fb_routing is None or not kwargs.get("compute_aux_loss"):
+            logps, entropies, aux = parent(*call, **kwargs)
+        else:  # TRL adds coef · aux / k: make it this micro-batch's share of the window's
+            unwrapped = self.accelerator.unwrap_model(model)
+            logps, entropies, term = routed_forward(
+                self._fb_routing, unwrapped, mask, lambda: parent(*call, **kwargs)
+            )
+            self._fb_router += float(term.detach())
+            aux = term * (self.accelerator.num_processes * self.current_gradient_accumulation_steps)
         policy, entropy = self._fb_scales
         self._fb_captured = (
             None if entropies is None else entropies.detach(),
             None if aux is None else aux.detach(),
         )
-        logps = _ScaleGrad.apply(logps, policy)
+        logps = ScaleGrad.apply(logps, policy)
         if entropies is not None:
-            entropies = _ScaleGrad.apply(entropies, entropy)
+            entropies = ScaleGrad.apply(entropies, entropy)
         return logps, entropies, aux
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -278,22 +291,16 @@ class ExactGRPOTrainer(GRPOTrainer):
     def _merge_metrics(
         self, window: GRPOWindow, j: int, metrics: Any, before: dict[str, int]
     ) -> None:
-        keys = set(GRPOWindow.merged_keys())
-        appended: dict[str, list[float]] = {}
-        for key in list(metrics):
-            if key in keys and len(metrics[key]) > before.get(key, 0):
-                appended[key] = metrics[key][before.get(key, 0) :]
-                del metrics[key][before.get(key, 0) :]
         by_rows = self.importance_sampling_level == "sequence"
-        window.add_metrics(j, appended, by_rows=by_rows)
-        had_policy = len(metrics.get("policy_loss", [])) > before.get("policy_loss", 0)
-        if had_policy:
-            del metrics["policy_loss"][before.get("policy_loss", 0) :]
+        had = window.take_metrics(j, metrics, before, by_rows=by_rows)
         if j == len(window) - 1:
             for key, value in window.merged_metrics().items():
                 metrics[key].append(value)
-            if had_policy:
-                share = torch.tensor(window.policy_share, device=self.accelerator.device)
+            if had["policy_loss"] or had["aux_loss"]:  # sums over ranks, in one reduction
+                pair = [window.policy_share / window.world, self._fb_router]
+                share = torch.tensor(pair, dtype=torch.float64, device=self.accelerator.device)
                 if window.world > 1:
                     share = self.accelerator.reduce(share, reduction="sum")
-                metrics["policy_loss"].append(float(share) / window.world)
+                for key, value in zip(had, share.tolist(), strict=True):
+                    if had[key]:  # aux_loss: the load-balancing loss of the window
+                        metrics[key].append(value)

@@ -4,17 +4,27 @@ TRL normalizes each micro-batch on its own: a per-micro-batch mean divided by th
 micro-batches (``grpo``, ``sapo``, ``dr_grpo``, the entropy bonus), or the generation batch's
 token count rescaled to a window (``dapo``, ``cispo``). Each is a fixed multiple of the window's
 objective for that micro-batch, so one multiplier per loss term and micro-batch turns it into
-the window's objective: :func:`grad_scales` computes them, :class:`GRPOWindow` holds the window's
-counts (per micro-batch, summed over ranks) and merges the logged metrics into one value per
-window.
+the window's objective: :func:`grad_scales` computes them, :class:`ScaleGrad` applies them to
+the gradient alone, :class:`GRPOWindow` holds the window's counts (per micro-batch, summed over
+ranks) and merges the logged metrics into one value per window.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["EXACT_LOSSES", "SEQUENCE_LOSSES", "TOKEN_LOSSES", "GRPOWindow", "grad_scales"]
+import torch
+
+__all__ = [
+    "EXACT_LOSSES",
+    "SEQUENCE_LOSSES",
+    "TOKEN_LOSSES",
+    "GRPOWindow",
+    "ScaleGrad",
+    "grad_scales",
+]
 
 # loss types whose objective divides by the window's sequences (dr_grpo: times a constant)
 SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo")
@@ -32,6 +42,19 @@ _CLIP_MEANS = (
 )
 _MINS = ("clip_ratio/low_min",)
 _MAXES = ("clip_ratio/high_max",)
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def grad_scales(
@@ -148,6 +171,26 @@ class GRPOWindow:
                     best = self._sums.setdefault(key, [value])
                     pick = min if key in _MINS else max
                     best[0] = pick(best[0], value)
+
+    def take_metrics(
+        self, j: int, metrics: Any, before: dict[str, int], *, by_rows: bool
+    ) -> dict[str, bool]:
+        """Take micro-batch ``j``'s values out of TRL's ``metrics`` (appended since ``before``):
+        the merged ones are folded in; ``policy_loss`` and ``aux_loss``, dropped, are logged as
+        the window's by the trainer. Returns whether TRL appended each of those two."""
+        keys = set(self.merged_keys())
+        appended: dict[str, list[float]] = {}
+        for key in list(metrics):
+            if key in keys and len(metrics[key]) > before.get(key, 0):
+                appended[key] = metrics[key][before.get(key, 0) :]
+                del metrics[key][before.get(key, 0) :]
+        self.add_metrics(j, appended, by_rows=by_rows)
+        had = {}
+        for key in ("policy_loss", "aux_loss"):
+            had[key] = len(metrics.get(key, [])) > before.get(key, 0)
+            if had[key]:
+                del metrics[key][before.get(key, 0) :]
+        return had
 
     def merged_metrics(self) -> dict[str, float]:
         """One value per metric for the whole window."""

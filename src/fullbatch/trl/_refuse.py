@@ -12,7 +12,6 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 
-from fullbatch._base._warn import warn
 from fullbatch.hf._settings import refuse_args
 
 
@@ -65,19 +64,6 @@ def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
             "fullbatch.trl.ExactSFTTrainer and fullbatch.hf.ExactTrainer take it over the "
             "window (docs/moe.md)."
         )
-
-
-def moe_aux_kept(trainer: str, coef: float) -> None:
-    """Warn that an enabled MoE router loss keeps TRL's per-micro-batch weighting (GRPO: the
-    mean over the window's micro-batches of each one's load-balancing loss), not the window's."""
-    warn(
-        f"{trainer} keeps TRL's MoE router auxiliary loss (router_aux_loss_coef={coef}) per "
-        "micro-batch: each micro-batch's load-balancing loss, averaged over the window, not the "
-        "load-balancing loss of the window's sequences, so that term differs from the full "
-        "batch's (the rest of the step is the window's). Pass router_aux_loss_coef=0.0 in the "
-        "config to train without it (docs/moe.md).",
-        through=("transformers", "trl"),
-    )
 
 
 def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:
