@@ -86,7 +86,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
     _fb_adds_router_aux = True  # exact_loss adds the window's load-balancing term
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs, router_aux=True)
+        given = common("ExactDPOTrainer", DPOTrainer.__init__, args, kwargs)
         config = given.get("args")
         dpo(config)
         precompute = getattr(config, "precompute_ref_log_probs", False)

@@ -28,42 +28,12 @@ def refuse(trainer: str, settings: dict[str, str | None]) -> None:
             raise ValueError(f"{trainer} refuses {setting}: {why}")
 
 
-def common(
-    trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict, *, router_aux: bool = False
-) -> dict[str, Any]:
-    """Refuse what every fullbatch Trainer wing refuses and, unless the trainer makes it the
-    window's (``router_aux``), an enabled MoE router loss, from the arguments of TRL's
-    ``init``; those arguments by name."""
+def common(trainer: str, init: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Refuse what every fullbatch Trainer wing refuses, from the arguments of TRL's ``init``;
+    those arguments by name."""
     given = bind(init, args, kwargs)
-    config = given.get("args")
-    refuse_args(trainer, config, compute_loss_func=given.get("compute_loss_func"))
-    if not router_aux:
-        moe_aux(trainer, given.get("model"), getattr(config, "router_aux_loss_coef", None))
+    refuse_args(trainer, given.get("args"), compute_loss_func=given.get("compute_loss_func"))
     return given
-
-
-def moe_aux(trainer: str, model: Any, coef: float | None) -> None:
-    """Refuse an enabled MoE router auxiliary loss in a trainer whose TRL loss adds it per
-    micro-batch: the load-balancing loss is a nonlinear function of the whole batch's routing
-    (fractions times mean probabilities), so that is a different objective from the full
-    batch's; ``ExactSFTTrainer`` and ``fullbatch.hf.ExactTrainer`` take it over the window."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        return
-    text = config.get_text_config()
-    if not hasattr(text, "output_router_logits"):
-        return
-    weight = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if weight:
-        raise ValueError(
-            f"{trainer} refuses the MoE router auxiliary loss (router_aux_loss_coef={weight}): "
-            "TRL adds each micro-batch's own load-balancing loss, which multiplies that "
-            "micro-batch's expert fractions by its mean router probabilities, a different "
-            "objective from the full batch's, and this trainer does not take it over the "
-            "window. Pass router_aux_loss_coef=0.0 in the config to train without it; "
-            "fullbatch.trl.ExactSFTTrainer and fullbatch.hf.ExactTrainer take it over the "
-            "window (docs/moe.md)."
-        )
 
 
 def reference(trainer: str, model: Any, peft_config: Any, fix: str) -> None:

@@ -86,7 +86,7 @@ class ExactSFTTrainer(ExactTrainer, SFTTrainer):
     _fb_adds_router_aux = True  # exact_loss adds the window's load-balancing term
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs, router_aux=True)
+        common("ExactSFTTrainer", SFTTrainer.__init__, args, kwargs)
         super().__init__(*args, **kwargs)
         self._fb_stats: list[torch.Tensor] = []
 
