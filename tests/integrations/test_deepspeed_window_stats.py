@@ -1,0 +1,96 @@
+"""``window.stats`` on ``fullbatch.deepspeed.ExactEngine``'s windows: a tiny Mixtral's
+load-balancing loss exact over the window and both ranks, at ZeRO-2 and ZeRO-3.
+
+Two gloo ranks in one launch (tests/_ds_moe_cases.py): two windows of 3 micro-batches of
+uneven rows; in the last, rank 1 holds one and runs two padding ones. Every rank's step (SGD
+lr=1: the parameter change) equals the gradient of the float64 full batch written in
+tests/_moe_cases.py (token-mean cross-entropy + coef · transformers' load-balancing loss
+over the whole window, checked there against the model's own loss), taken at the parameters
+that step started from. DeepSpeed refuses float64 gradients, so the engines run float32 and
+the band is float32's (BAND; measured 2.2e-7 to 2.7e-7 at ZeRO-2). The control, each
+micro-batch's own aux loss averaged (what the model computes per forward), is 5.3e-2 off,
+so the band can fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+import _ds_moe_cases as cases
+import _moe_cases as moe
+from _dist_ds import run_ds, values
+
+pytestmark = pytest.mark.timeout(600)
+
+RUNS = [(2, True), (3, True), (2, False)]
+BAND = 2e-6
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict[Any, Any]]:
+    return values(run_ds(cases.train_all, 2, RUNS, deadline=400))
+
+
+def _full_batch_grad(params: list[torch.Tensor], window: int) -> list[torch.Tensor]:
+    """The float64 full batch's gradient of ``window`` at ``params``."""
+    model = moe.make_moe("mixtral")
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params, strict=True):
+            p.copy_(value)
+    grads, _ = moe.reference(model, cases.window_rows(window))
+    return grads
+
+
+def _step_error(res: dict[str, Any], window: int) -> float:
+    before, after = res["before"][window], res["after"][window]
+    applied = [b - a for b, a in zip(before, after, strict=True)]
+    return moe.rel_err(applied, _full_batch_grad(before, window))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_steps_like_the_full_batch(trained: list[dict[Any, Any]], stage: int) -> None:
+    for rank, results in enumerate(trained):
+        res = results[(stage, True)]
+        assert len(res["after"]) == len(cases.SIZES)
+        for w in range(len(cases.SIZES)):
+            err = _step_error(res, w)
+            assert err < BAND, (stage, rank, w, err)
+            assert not res["stats"][w].skipped
+            assert res["stats"][w].stats_seconds > 0
+        # the same parameters on both ranks after every step
+        for a, b in zip(res["after"][-1], trained[0][(stage, True)]["after"][-1], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_pre_pass_runs_once_per_window(trained: list[dict[Any, Any]], stage: int) -> None:
+    """One no-grad forward per micro-batch, once per window (a second call returns the kept
+    value). Under ZeRO-3 (forwards all-gather) rank 1 also runs its padding micro-batch."""
+    for rank, results in enumerate(trained):
+        res = results[(stage, True)]
+        want = [list(sizes[rank]) for sizes in cases.SIZES]
+        if stage == 3 and rank == 1:
+            want[1] += want[1][-1:] * 2  # the padding micro-batches: its last one again
+        assert res["calls"] == want, (stage, rank)
+        assert res["same"]
+
+
+def test_a_statistic_after_the_first_backward_is_refused(trained: list[dict[Any, Any]]) -> None:
+    for results in trained:
+        for stage in (2, 3):
+            (late,) = results[(stage, True)]["late"]
+            assert "after its micro-batches began (1 yielded, 1 backward call(s))" in late
+            assert "before `for micro in window:`" in late
+
+
+def test_the_per_micro_batch_aux_loss_is_off(trained: list[dict[Any, Any]]) -> None:
+    """The control: each micro-batch's own routing counts (the model's per-forward loss)."""
+    for results in trained:
+        err = _step_error(results[(2, False)], 0)
+        assert err > 1e-3, err
