@@ -7,7 +7,7 @@ lr=1: the parameter change) equals the gradient of the float64 full batch writte
 tests/_moe_cases.py (token-mean cross-entropy + coef · transformers' load-balancing loss
 over the whole window, checked there against the model's own loss), taken at the parameters
 that step started from. DeepSpeed refuses float64 gradients, so the engines run float32 and
-the band is float32's (BAND; measured 2.2e-7 to 2.7e-7 at ZeRO-2). The control, each
+the band is float32's (BAND; measured 2.2e-7 to 2.7e-7 at ZeRO-2 and ZeRO-3). The control, each
 micro-batch's own aux loss averaged (what the model computes per forward), is 5.3e-2 off,
 so the band can fail.
 """
@@ -94,3 +94,71 @@ def test_the_per_micro_batch_aux_loss_is_off(trained: list[dict[Any, Any]]) -> N
     for results in trained:
         err = _step_error(results[(2, False)], 0)
         assert err > 1e-3, err
+
+
+class _Engine:
+    """What ``engine_stats`` asks of a DeepSpeed engine (one process, no group)."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.module = torch.nn.BatchNorm1d(2)
+        self.device = torch.device("cpu")
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+
+def _too_big(calls: list[int]) -> Any:
+    def fn(micro: torch.Tensor) -> torch.Tensor:
+        calls.append(micro.shape[0])
+        if micro.shape[0] > 1:
+            raise torch.OutOfMemoryError(f"{micro.shape[0]} rows do not fit")
+        return micro.sum(0)
+
+    return fn
+
+
+def test_out_of_memory_below_zero_3_runs_the_micro_batch_in_halves() -> None:
+    from fullbatch._wings._deepspeed import engine_stats
+
+    calls: list[int] = []
+    micros = [torch.arange(8.0).reshape(4, 2), torch.ones(1, 2)]
+    got = engine_stats(_Engine(2), micros, 2, _too_big(calls), "sum")
+    assert got.tolist() == [13.0, 17.0]  # the sum of every row, as without the error
+    assert calls == [4, 2, 1, 1, 2, 1, 1, 1]
+
+
+def test_out_of_memory_at_zero_3_names_the_fix_without_halves() -> None:
+    """ZeRO-3's forwards all-gather on every rank: halves on one rank would leave the others
+    waiting, so the error propagates at once, naming why and the fix."""
+    from fullbatch._wings._deepspeed import engine_stats
+
+    calls: list[int] = []
+    with pytest.raises(torch.OutOfMemoryError, match=r"ZeRO-3's parameter all-gathers .* loader"):
+        engine_stats(_Engine(3), [torch.ones(4, 2)], 1, _too_big(calls), "sum")
+    assert calls == [4]
+
+
+def test_zero_3_runs_the_padding_forwards_and_drops_them() -> None:
+    """A rank holding 1 of the window's 3 micro-batches runs 3 forwards at ZeRO-3 (its last
+    micro-batch again, as the window yields it) and 1 below; the statistic is the real one's,
+    and the BatchNorm buffers and RNG state are as before."""
+    from fullbatch._wings._deepspeed import engine_stats
+
+    for stage, forwards in ((2, 1), (3, 3)):
+        engine = _Engine(stage)
+        calls: list[int] = []
+
+        def fn(micro: torch.Tensor, calls: list[int] = calls, engine: _Engine = engine) -> Any:
+            calls.append(micro.shape[0])
+            return {"rows": engine.module(micro + torch.rand(1)).sum(0)}
+
+        micro = torch.randn(3, 2)
+        rng = torch.get_rng_state()
+        got = engine_stats(engine, [micro], 3, fn, "sum")
+        assert len(calls) == forwards
+        assert got["rows"].dtype == torch.float64
+        assert torch.equal(engine.module.running_mean, torch.zeros(2))  # moved, put back
+        assert torch.equal(torch.get_rng_state(), rng)  # fn's torch.rand draws were undone
+        cat = engine_stats(engine, [micro, micro[:1]], 3, lambda m: m[:, 0], "cat")
+        assert torch.equal(cat, torch.cat([micro[:, 0], micro[:1, 0]]))
