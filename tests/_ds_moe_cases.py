@@ -86,6 +86,9 @@ def train(rank: int, world: int, stage: int, exact: bool) -> dict[str, Any]:
         counts = window.stats(routing) if exact else None
         again = window.stats(routing) if exact else None  # kept: no second pre-pass
         out["calls"].append(list(seen))
+        if exact:  # a "cat" statistic: every real row's length, ranks in order
+            lengths = window.stats(lambda m: m["attention_mask"].sum(1), reduce="cat", key="n")
+            out.setdefault("lengths", []).append(lengths)
         out["same"] = counts is again
         for i, micro in enumerate(window):
             res = _forward(engine, micro)

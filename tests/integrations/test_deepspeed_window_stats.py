@@ -81,6 +81,18 @@ def test_the_pre_pass_runs_once_per_window(trained: list[dict[Any, Any]], stage:
         assert res["same"]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_concatenated_statistic_holds_every_rank_s_rows_in_order(
+    trained: list[dict[Any, Any]], stage: int
+) -> None:
+    """``reduce="cat"``: the window's real rows over both ranks, rank 0's first (padding
+    micro-batches left out), the same on every rank."""
+    for results in trained:
+        for w, got in enumerate(results[(stage, True)]["lengths"]):
+            rows = sum(sum(sizes) for sizes in cases.SIZES[w])
+            assert got.tolist() == list(cases.LENGTHS[:rows]), (stage, w)
+
+
 def test_a_statistic_after_the_first_backward_is_refused(trained: list[dict[Any, Any]]) -> None:
     for results in trained:
         for stage in (2, 3):
