@@ -19,17 +19,23 @@ Example (one process; the same code runs under ``deepspeed``/``torchrun``)::
             loss_sum, n = fb.causal_lm_loss(logits, micro["labels"])
             window.backward(loss_sum, n)
         stats = window.step()                      # StepStats, identical on every rank
+
+A window statistic (a MoE model's routing counts for its load-balancing loss) comes from
+``window.stats(fn)`` before the window's first micro-batch, as on ``fb.Accumulator``'s
+windows (docs/moe.md, "DeepSpeed").
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from fullbatch._base._normalize import check_count
+from fullbatch._base._prepass import check_reduce, default_key, too_late
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import sum_over_ranks
 from fullbatch._base._verdict import NO_ITEMS, CountedSteps, WindowCounters
@@ -38,6 +44,7 @@ from fullbatch._wings._deepspeed import (
     OFFLOAD_FIXED,
     check_engine,
     close_engine_window,
+    engine_stats,
     refusal,
     scaled,
 )
@@ -139,6 +146,8 @@ class DeepSpeedWindow:
         self._numbers = WingWindow(self.scale, device=engine.device, counted=self._counts)
         self._ran = False
         self._stepped = False
+        self._stats: dict[str, Any] = {}  # window.stats results, by key
+        self._stats_seconds = 0.0
 
     def __len__(self) -> int:
         return self.size if self.count > 0 else 0
@@ -154,6 +163,36 @@ class DeepSpeedWindow:
             engine.set_gradient_accumulation_boundary(i == self.size - 1)
             yield self._micros[min(i, len(self._micros) - 1)]
         self._index = self.size
+
+    def stats(
+        self, fn: Callable[[Any], Any], *, reduce: str = "sum", key: str | None = None
+    ) -> Any:
+        """A window statistic: ``fn`` on every micro-batch of the window and every rank, once,
+        before the first micro-batch, no gradients; ``reduce="sum"`` (float64) or ``"cat"``
+        (dim 0, ranks in order), kept under ``key`` (default: ``fn``'s name and line) for a
+        second call. Collective: every rank calls it. As ``fb.Accumulator``'s (docs/moe.md).
+
+        Raises:
+            RuntimeError: called once the window's micro-batches began, or after its step.
+            ValueError: ``reduce`` unknown; ``fn`` returned no tensors, or (``"sum"``)
+                shapes that differ between micro-batches.
+        """
+        check_reduce(reduce)
+        key = default_key(fn) if key is None else key
+        if key in self._stats:
+            return self._stats[key]
+        if self._stepped or self._index >= 0:
+            raise too_late(
+                key,
+                "this DeepSpeed window",
+                f"{min(self._index + 1, self.size)} yielded, {self._done} backward call(s)",
+                "Call `stats = window.stats(fn)` before `for micro in window:`.",
+            )
+        began = time.perf_counter()
+        value = engine_stats(self._exact.engine, self._micros, self.size, fn, reduce)
+        self._stats[key] = value
+        self._stats_seconds += time.perf_counter() - began
+        return value
 
     def backward(self, loss_sum: torch.Tensor, count: Any, **kwargs: Any) -> None:
         """``engine.backward(loss_sum · W / N, scale_wrt_gas=False)`` for the last yielded
@@ -214,4 +253,5 @@ class DeepSpeedWindow:
             lr=None if lr is None else float(lr),
             micro_batches=self._done,
             skipped_windows=exact.counters.skipped_windows,
+            stats_seconds=self._stats_seconds,
         )

@@ -182,7 +182,8 @@ def test_out_of_memory_at_one_row_in_the_pre_pass_raises() -> None:
 def test_out_of_memory_in_an_all_gathering_pre_pass_names_the_fix() -> None:
     """Under FSDP2 (forwards that all-gather on every rank) the pre-pass cannot re-run one
     rank's micro-batch in halves: the error propagates at once, naming why and the fix."""
-    from fullbatch._engine._stats_pass import _halving
+    from fullbatch._base._prepass import halving
+    from fullbatch._engine._stats_pass import ALL_GATHERS
 
     calls: list[int] = []
 
@@ -191,9 +192,10 @@ def test_out_of_memory_in_an_all_gathering_pre_pass_names_the_fix() -> None:
         raise torch.OutOfMemoryError(f"{micro.shape[0]} rows do not fit")
 
     with pytest.raises(torch.OutOfMemoryError, match=r"FSDP2's all-gathers .* micro_batch_size"):
-        _halving(too_big, torch.ones(4, 2), split=False)
+        halving(too_big, torch.ones(4, 2), split=False, collectives=ALL_GATHERS)
     assert calls == [4]  # no halves tried: the other ranks would wait in their all-gathers
-    assert _halving(lambda m: m.sum(0), torch.ones(4, 2), split=False)[0].tolist() == [4.0, 4.0]
+    fits = halving(lambda m: m.sum(0), torch.ones(4, 2), split=False, collectives=ALL_GATHERS)
+    assert fits[0].tolist() == [4.0, 4.0]
 
 
 @pytest.mark.parametrize("done", [1, 2])

@@ -14,8 +14,9 @@ They import nothing from the rest of fullbatch but each other:
 - ``_losses`` (summed losses and counts), ``_moe`` (the MoE load-balancing loss as a window
   statistic: routing counts and one micro-batch's term), ``_routing`` (the MoE routing
   pre-pass of the HF wings and the probe: one float64 row per micro-batch, summed over the
-  window and ranks), ``_stats`` (:class:`StepStats`), ``_lr`` (``fb.scale_lr``), ``_schedule``
-  (an LR schedule kept across a skipped step);
+  window and ranks), ``_prepass`` (a window statistic's pre-pass, shared by ``window.stats``
+  of the Accumulator and of ``fullbatch.deepspeed``), ``_stats`` (:class:`StepStats`),
+  ``_lr`` (``fb.scale_lr``), ``_schedule`` (an LR schedule kept across a skipped step);
 - state: ``_rng`` (RNG states), ``_modelstate`` (save and restore a model, or its BatchNorm
   buffers), ``_fingerprint``
   (what a resumed run must find);

@@ -30,7 +30,6 @@ cut it, so the same machinery can serve a token budget.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ import torch
 
 from fullbatch._base._autosize import AutoSize
 from fullbatch._base._modelstate import BatchNormBuffers
+from fullbatch._base._prepass import free_memory
 from fullbatch._base._rng import RngState
 from fullbatch._base._stats import StepStats
 from fullbatch._base._sync import Sync
@@ -46,7 +46,7 @@ from fullbatch._engine._feed import Feed, Stream
 from fullbatch._engine._open import open_window
 from fullbatch._engine._run import MicroBatchFn, abandon_locally, run_micro_batches
 
-__all__ = ["Runner", "check_peers", "free_memory", "run_auto"]
+__all__ = ["Runner", "check_peers", "run_auto"]
 
 # One attempt at a window: ``runner(window, fn, before_backward)`` runs its micro-batches and
 # backward calls, no step (``run_micro_batches``; ``window.run_coupled`` runs both passes).
@@ -156,13 +156,6 @@ def _restart(window: Handle, micros: list[Any], stream: Stream) -> None:
         raise RuntimeError("internal error: an 'auto' re-run found no data on any rank.")
     state.stats, state.stats_seconds = old.stats, old.stats_seconds  # never taken twice
     window._state = state
-
-
-def free_memory() -> None:
-    """What an out-of-memory error left: the failed forward's frames, the CUDA cache."""
-    gc.collect(1)  # young cycles through the failed forward's frames (a full collect: ~0.5 s)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def run_auto(window: Handle, fn: MicroBatchFn, runner: Runner = run_micro_batches) -> StepStats:

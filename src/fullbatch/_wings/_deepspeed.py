@@ -7,6 +7,8 @@ Trainer and TRL wings) counts the window first and backpropagates ``loss_sum · 
 ends it: ZeRO 1-3 step (a skipped window's NaN scale makes DeepSpeed's overflow check skip);
 stage 0 reads the gradients first and clears a skipped window. :func:`refusal` (from the floor,
 ``fullbatch._base._deepspeed``, where the probe reads it too) names what no scale can make exact.
+:func:`engine_stats` is a window statistic's pre-pass on the engine (``fullbatch._base._prepass``
+with the engine's ranks; at ZeRO-3 every rank runs the same number of forwards).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 
 from fullbatch._base._deepspeed import OFFLOAD_FIXED, installed_version, refusal
+from fullbatch._base._prepass import StatsFn, reduce_results, run_pass
+from fullbatch._base._sync import gather_over_ranks, sum_over_ranks
 from fullbatch._base._verdict import Verdict, WindowTotals
 from fullbatch._wings._close import Wing, close_window
 from fullbatch._wings._window import WingWindow, count_ahead
@@ -26,6 +30,7 @@ __all__ = [
     "OFFLOAD_FIXED",
     "check_engine",
     "close_engine_window",
+    "engine_stats",
     "installed_version",
     "refusal",
     "scaled",
@@ -133,3 +138,35 @@ def close_engine_window(
             "with your DeepSpeed config."
         )
     return verdict, values
+
+
+#: why a ZeRO-3 pre-pass does not halve, and the fix (an OOM error names it)
+ZERO3_GATHERS = (
+    "whose forwards run ZeRO-3's parameter all-gathers on every rank, so it cannot re-run "
+    "one rank's micro-batch in halves: give the loader micro-batches whose no-grad forward fits"
+)
+
+
+def engine_stats(engine: Any, micros: list[Any], most: int, fn: StatsFn, reduce: str) -> Any:
+    """``fn`` on this rank's ``micros`` without gradients, reduced over the engine's ranks.
+
+    At ZeRO-3 every forward all-gathers the partitioned parameters on every rank, so a rank
+    holding fewer than ``most`` micro-batches also runs its padding ones (its last micro-batch
+    again, as the window yields it; the results dropped), and an out-of-memory error is not
+    retried in halves. Below ZeRO-3 forwards run no collective: real micro-batches only.
+    """
+    gathers = int(engine.zero_optimization_stage()) == 3
+    padding = most - len(micros) if gathers else 0
+    run = [(m, False) for m in micros] + [(micros[-1], True)] * padding
+    results, rebuild = run_pass(
+        fn, run, engine.module, split=not gathers, collectives=ZERO3_GATHERS
+    )
+    device = engine.device
+    return reduce_results(
+        results,
+        rebuild,
+        reduce,
+        padded=False,  # every rank holds a real micro-batch (DeepSpeedWindow checks)
+        all_reduce_sum=lambda t: sum_over_ranks(t.to(device)).to(t.device),
+        all_gather=lambda t: gather_over_ranks(t.to(device)).to(t.device),
+    )

@@ -1,7 +1,8 @@
 """Everything that talks to ``torch.distributed``: the only package that imports it.
 
 - ``_base``: :class:`Sync`, the no-op kind for local training, bucketed sums, and
-  ``all_reduce_over`` / ``sum_over_ranks`` for integrations whose framework owns the group;
+  ``all_reduce_over`` / ``sum_over_ranks`` / ``gather_over_ranks`` for integrations whose
+  framework owns the group;
 - ``_ddp``: DDP (``ddp_sync="last"`` or ``"step"``);
 - ``_fsdp``: FSDP2 over a 1-D mesh or a 2-D (replicate, shard) HSDP mesh
   (``fsdp_sync="window"``, ``"micro_batch"``, ``"hybrid"``);
@@ -16,7 +17,7 @@
   module, the ranks of a probed window).
 """
 
-from fullbatch._base._sync._base import Sync, all_reduce_over, sum_over_ranks
+from fullbatch._base._sync._base import Sync, all_reduce_over, gather_over_ranks, sum_over_ranks
 from fullbatch._base._sync._make import DdpSync, FsdpSync, SyncPlan
 from fullbatch._base._sync._mesh import MeshFacts, mesh_facts
 
@@ -27,6 +28,7 @@ __all__ = [
     "Sync",
     "SyncPlan",
     "all_reduce_over",
+    "gather_over_ranks",
     "mesh_facts",
     "sum_over_ranks",
 ]

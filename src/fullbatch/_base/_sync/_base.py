@@ -27,7 +27,7 @@ from torch import nn
 from fullbatch._base._normalize import squared_norm
 from fullbatch._base._sync._mesh import MeshFacts
 
-__all__ = ["Sync", "all_reduce_over", "sum_over_ranks", "sum_tensors"]
+__all__ = ["Sync", "all_reduce_over", "gather_over_ranks", "sum_over_ranks", "sum_tensors"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -275,3 +275,13 @@ def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
+
+
+def gather_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """``[world, *tensor.shape]``: every rank's ``tensor`` over the default group, in rank
+    order (``[1, ...]`` without one). For a framework that sets the group up itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return torch.stack(out)
