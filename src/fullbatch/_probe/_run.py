@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
+from fullbatch._base._sync._probe import registered_params
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._args import (
     DEFAULT_WINDOWS,
@@ -183,7 +184,7 @@ class Probe:
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
         if sampler is None:
-            sampler = Sampler([p for p in module.parameters() if p.requires_grad])
+            sampler = Sampler([p for p in registered_params(module) if p.requires_grad])
             self._samplers[id(module)] = sampler
         return sampler
 
