@@ -4,9 +4,11 @@ One window of a float64 Mixtral with its router aux loss on, ``fully_shard`` per
 and at the root over 2 gloo ranks, probed with the objective inferred (``causal_lm+moe``):
 
 - ``"exact"``: ``fb.Accumulator`` with ``window.stats`` (the routing counts over every
-  micro-batch and rank) and ``fb.moe.load_balancing`` added to each micro-batch's loss; the
-  ranks hold uneven micro-batch counts (2 and 3), so rank 0 also runs a zero-weight padding
-  micro-batch (FSDP2's all-gathers need as many forwards on every rank);
+  micro-batch and rank) and ``fb.moe.load_balancing`` added to each micro-batch's loss;
+- ``"padded"``: the same loop on uneven micro-batch counts (2 and 3), so rank 0 also runs a
+  zero-weight padding micro-batch (FSDP2's all-gathers need as many forwards on every rank),
+  which the probe refuses on every rank (it cannot yet tell it from a micro-batch) while the
+  run goes on;
 - ``"stock"``: a plain loop as TRL's SFTTrainer writes it: the cross-entropy exact (its sum over
   the window's tokens of every rank, times the world size FSDP2 averages over) plus each
   micro-batch's own ``coef · out.aux_loss / K``: the load balancing taken per micro-batch.
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fullbatch as fb
-from _dist_moe import moe_window
+from _dist_moe import MOE_SPLIT, moe_window
 from _moe_cases import COEF, exact_share, make_moe, routing, split, tokens
 
 #: Rows of each rank's micro-batches: as many micro-batches on every rank (FSDP2's all-gathers
@@ -51,8 +53,8 @@ def _rows(rank: int, layout: dict[int, list[int]]) -> list[dict[str, torch.Tenso
     return split({k: v[start:stop] for k, v in moe_window().items()}, layout[rank])
 
 
-def _exact(model: Any, opt: Any, rank: int) -> None:
-    micros = _rows(rank, SPLIT)
+def _exact(model: Any, opt: Any, rank: int, layout: dict[int, list[int]]) -> None:
+    micros = _rows(rank, layout)
     acc = fb.Accumulator(model, opt, micro_batches=len(micros), counts=tokens())
     for window in acc.windows(micros):
         counts = window.stats(routing(model))
@@ -75,17 +77,22 @@ def _stock(model: Any, opt: Any, rank: int, world: int) -> None:
 def moe_fsdp(rank: int, world: int) -> dict[str, Any]:
     """Both loops under ``fb.probe(windows=1)``: each one's verdict and applied gradient."""
     out: dict[str, Any] = {}
-    for how in ("exact", "stock"):
+    for how in ("exact", "stock", "padded"):
         inner, model = _sharded()
         before = [_full(p) for p in inner.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         with fb.probe(windows=1) as probe:
-            if how == "exact":
-                _exact(model, opt, rank)
-            else:
+            if how == "stock":
                 _stock(model, opt, rank, world)
-        (w,) = probe.report.windows
+            else:
+                _exact(model, opt, rank, SPLIT if how == "exact" else MOE_SPLIT)
         update = [b - _full(p) for b, p in zip(before, inner.parameters(), strict=True)]
+        if how == "padded":
+            report = probe.report
+            out[how] = {"ok": report.ok, "windows": len(report.windows), "update": update,
+                        "problems": report.problems}  # fmt: skip
+            continue
+        (w,) = probe.report.windows
         out[how] = {"ok": w.ok, "patterns": w.patterns, "share": w.statistic_share,
                     "error": w.error, "objective": w.objective, "ranks": w.ranks,
                     "micro_batches": w.micro_batches, "diagnosis": w.diagnosis,

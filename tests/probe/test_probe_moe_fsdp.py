@@ -3,7 +3,10 @@ per decoder layer and at the root, 2 gloo ranks, 2 micro-batches of uneven rows 
 plain loop that adds each micro-batch's own aux loss (TRL's recipe by hand) is named "a window
 statistic taken per micro-batch" on every rank, its error the one measured here against a
 float64 full batch of every rank's rows; ``fb.Accumulator`` with ``window.stats`` and
-``fb.moe.load_balancing`` is right (tests/_probe_moe_fsdp_cases.py)."""
+``fb.moe.load_balancing`` is right. On uneven micro-batch counts (2 and 3), where the
+Accumulator runs a zero-weight padding micro-batch on rank 0, the probe refuses the window on
+every rank, naming why, and the run's step is still the full batch's
+(tests/_probe_moe_fsdp_cases.py)."""
 
 from __future__ import annotations
 
@@ -54,3 +57,12 @@ def test_window_stats_accumulator_is_right_on_every_rank(results: list[Any], wan
         assert exact["ok"] and exact["patterns"] == ("right",), exact["text"]
         assert exact["objective"] == "causal_lm+moe" and exact["share"] == 0.0
         assert exact["micro_batches"] == 4 and exact["ranks"] == (2, 2)
+
+
+def test_padding_micro_batches_are_refused_on_every_rank(results: list[Any], want: Any) -> None:
+    for rank in results:
+        padded = rank["padded"]
+        assert rel_err(padded["update"], want) < 1e-12  # the run went on, unchanged
+        assert not padded["ok"] and padded["windows"] == 0, padded["problems"]
+        (problem,) = padded["problems"]
+        assert "fb.Accumulator ran 1 zero-weight padding micro-batch(es)" in problem, problem
