@@ -72,3 +72,35 @@ def _step(world: int, exact: bool) -> dict[str, Any]:
 def moe_trainers(rank: int, world: int) -> dict[str, Any]:
     """The stock Trainer's window and ExactTrainer's, in one process group."""
     return {"stock": _step(world, exact=False), "exact": _step(world, exact=True)}
+
+
+def padded_engine(rank: int, world: int) -> Any:
+    """``fullbatch.deepspeed.ExactEngine`` at ZeRO-2 with 3 micro-batches on rank 0 and 4 on
+    rank 1 (rank 0 runs one zero-weight padding micro-batch), probed: the report, and the
+    applied gradient (SGD lr 1, momentum 0: the parameters' move)."""
+    import deepspeed
+
+    import _probe_ds_cases as raw
+    import fullbatch as fb
+    from _dist_ds import config
+    from fullbatch.deepspeed import ExactEngine
+
+    model = raw.make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = config(2, micro_batches=4, world=world)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    micros = raw.micro_batches(rank)[: 3 if rank == 0 else 4]
+    exact = ExactEngine(engine, count=lambda m: (m["y"] != -100).sum())
+    with fb.probe(objective=raw.objective, windows=1) as probe:
+        for window in exact.windows(micros):
+            for micro in window:
+                window.backward(*raw.objective(engine, micro))
+            window.step()
+    after = raw.full_params(engine)
+    return {"report": probe.report, "update": [b - a for b, a in zip(before, after, strict=True)]}
+
+
+def everything(rank: int, world: int) -> dict[str, Any]:
+    """Both Trainer windows and the padded ExactEngine window, in one process group."""
+    return {**moe_trainers(rank, world), "padded": padded_engine(rank, world)}

@@ -4,7 +4,10 @@ group): the stock ``Trainer`` (each micro-batch's own aux loss, added undivided)
 window statistic taken per micro-batch" with its fix, its error the one measured here against
 a float64 full batch of every rank's rows; ``fullbatch.hf.ExactTrainer`` is right. The probe's
 replays take ZeRO-3's backward hooks off the MoE blocks DeepSpeed keeps whole (its leaf
-modules) and gather the partitioned parameters on every rank (tests/_probe_moe_ds_cases.py)."""
+modules) and gather the partitioned parameters on every rank. In the same process group,
+``fullbatch.deepspeed.ExactEngine`` on uneven micro-batch counts (3 and 4: a zero-weight padding
+micro-batch on rank 0) is refused on every rank, naming why, and its step is still the full
+batch's (tests/_probe_moe_ds_cases.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.timeout(400)
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return values(run_ds(cases.moe_trainers, 2, deadline=360))
+    return values(run_ds(cases.everything, 2, deadline=360))
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +67,22 @@ def test_raw_engine_fix_names_a_route_that_takes_the_window_counts() -> None:
     Trainer route that does (never fb.Accumulator, which refuses a DeepSpeed engine)."""
     said = fix(NAMED, Engine("DeepSpeed", package="deepspeed"))
     assert "fullbatch.hf.ExactTrainer" in said and "fb.Accumulator" not in said, said
+
+
+def test_exact_engine_padding_is_refused_on_every_rank(results: list[Any]) -> None:
+    import torch
+
+    import _probe_ds_cases as raw
+
+    model = raw.make_model().double()  # the float64 full batch of both ranks' 7 micro-batches
+    micros = raw.micro_batches(0)[:3] + raw.micro_batches(1)
+    x = torch.cat([m["x"] for m in micros]).double()
+    y = torch.cat([m["y"] for m in micros])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    want = [p.grad for p in model.parameters()]
+    for rank in results:
+        report, update = rank["padded"]["report"], rank["padded"]["update"]
+        assert rel_err([u.double() for u in update], want) < 1e-6  # the run went on, exact
+        assert not report.ok and report.windows == (), str(report)
+        (problem,) = report.problems
+        assert "ExactEngine ran 1 zero-weight padding micro-batch(es)" in problem, problem
