@@ -1,7 +1,7 @@
-"""``fb.probe`` around TRL's ``SFTTrainer`` on a tiny float64 Mixtral with its router aux loss on
-(``router_aux_loss_coef`` 0.25), one window of 4 uneven micro-batches of 2 rows: the stock
-trainer (its exact cross-entropy plus each micro-batch's own aux loss over K) is named "a window
-statistic taken per micro-batch" with its share and the fix that names
+"""``fb.probe`` around TRL's ``SFTTrainer`` on tiny float64 Mixtral and Qwen3-MoE models with
+their router aux loss on (``router_aux_loss_coef`` 0.25), one window of 4 uneven micro-batches
+of 2 rows: the stock trainer (its exact cross-entropy plus each micro-batch's own aux loss over
+K) is named "a window statistic taken per micro-batch" with its share and the fix that names
 ``fullbatch.trl.ExactSFTTrainer``; ``ExactSFTTrainer`` on the same model is right. Each verdict
 is checked against the applied gradient's distance (SGD, lr 1: the parameters' move) from a
 float64 full batch written in tests/_moe_cases.py."""
@@ -24,15 +24,15 @@ LENGTHS = (7, 3, 5, 7, 2, 6, 4, 1)
 K = 4
 
 
-def _probed(exact: bool) -> tuple[Any, float]:
+def _probed(exact: bool, family: str = "mixtral") -> tuple[Any, float]:
     """One probed window of the trainer; its report and the step's error against the truth."""
     from trl import SFTTrainer
 
     from fullbatch.trl import ExactSFTTrainer
 
-    model = make_moe("mixtral")
+    model = make_moe(family)
     model.config.output_router_logits = True  # the model adds coef · aux: objective inferred
-    truth = make_moe("mixtral")
+    truth = make_moe(family)
     truth.config.output_router_logits = True
     want, _ = reference(truth, moe_rows(LENGTHS, seed=1))
     with tempfile.TemporaryDirectory() as tmp, fb.probe(windows=1) as probe:
@@ -40,8 +40,9 @@ def _probed(exact: bool) -> tuple[Any, float]:
     return probe.report, rel_err(got, want)
 
 
-def test_stock_sft_trainer_names_the_statistic() -> None:
-    report, truth = _probed(exact=False)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_stock_sft_trainer_names_the_statistic(family: str) -> None:
+    report, truth = _probed(exact=False, family=family)
     (w,) = report.windows
     assert not report.ok and w.engine == "trl.SFTTrainer" and w.objective == "causal_lm+moe"
     assert w.patterns == (NAMED,) and w.micro_batches == K, str(report)
@@ -53,8 +54,9 @@ def test_stock_sft_trainer_names_the_statistic() -> None:
     assert truth > 1e-2 and w.error == pytest.approx(truth, rel=1e-6), (w.error, truth)
 
 
-def test_exact_sft_trainer_is_right() -> None:
-    report, truth = _probed(exact=True)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_exact_sft_trainer_is_right(family: str) -> None:
+    report, truth = _probed(exact=True, family=family)
     (w,) = report.windows
     assert report.ok and w.pattern == "right", str(report)
     assert w.engine == "fullbatch.trl.ExactSFTTrainer" and w.objective == "causal_lm+moe"
