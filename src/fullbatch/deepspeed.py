@@ -132,6 +132,8 @@ class DeepSpeedWindow:
             most=exact.micro_batches,
         )
         self.count, self.size = ahead.sums[0], ahead.most
+        # padding micro-batches over every rank: ranks holding j run size - j of them
+        self._padding = int(sum(n * (self.size - j) for j, n in enumerate(ahead.held)))
         if self.size and ahead.held[0] > 0:
             raise ValueError(
                 f"{int(ahead.held[0])} rank(s) have no micro-batch left while others have up to "
@@ -151,6 +153,11 @@ class DeepSpeedWindow:
 
     def __len__(self) -> int:
         return self.size if self.count > 0 else 0
+
+    def fullbatch_padding(self) -> int:
+        """The zero-weight padding micro-batches this window runs over every rank (the same
+        number on every rank), for ``fb.probe``: it cannot tell them from micro-batches."""
+        return self._padding if self.count > 0 else 0
 
     def __iter__(self) -> Iterator[Any]:
         if self.count == 0:

@@ -58,6 +58,7 @@ def open_window(
         index=index,
         loss_scale=start.loss_scale,
         totals=start.totals,
+        padding=start.padding,
         stream=stream,
         loader_items=loader_items,
         first_item=first_item,

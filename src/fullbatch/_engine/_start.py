@@ -47,6 +47,7 @@ class Start:
 
     loss_scale: float
     totals: dict[str, float] | None
+    padding: int = 0  # padding micro-batches over every rank (the same on every rank)
 
 
 def _everyone_reads(engine: Engine, index: int) -> bool:
@@ -121,7 +122,7 @@ def start_window(
     if engine.loss_scale is None:
         engine.loss_scale = power_of_two_scale(sum(r[_HINT] for r in rows))
     totals = _totals(names, [r[len(row) :] for r in table]) if names else None
-    return Start(engine.loss_scale, totals)
+    return Start(engine.loss_scale, totals, sum(need))
 
 
 def _totals(names: list[str], ranks: list[list[float]]) -> dict[str, float]:

@@ -58,6 +58,7 @@ class WindowState:
     index: int
     loss_scale: float  # c: every count-form loss is seeded with it
     totals: dict[str, float] | None  # the counts= totals over ranks
+    padding: int = 0  # padding micro-batches this window runs over every rank
     stream: Stream | None = None  # the loader's stream ("auto" re-cuts and pads from it)
     loader_items: int = 0  # loader items consumed before this window began
     first_item: Any = None  # the window's first loader item (None: none on this rank)

@@ -60,6 +60,11 @@ class Window:
             return None
         return limit, verdict.grad_norm, verdict.clip
 
+    def fullbatch_padding(self) -> int:
+        """The zero-weight padding micro-batches this window runs over every rank (the same
+        number on every rank), for ``fb.probe``: it cannot tell them from micro-batches."""
+        return self._state.padding
+
     @property
     def index(self) -> int:
         """The window's position among this ``acc.windows(loader)``'s windows, from 0."""

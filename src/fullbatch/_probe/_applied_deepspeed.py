@@ -50,6 +50,19 @@ __all__ = ["DeepSpeedApplied"]
 _NORM_AGREES = 1e-4
 
 
+def _pause_leaf_hooks(zero: Any) -> list[tuple[dict[int, Any], int, Any]]:
+    """Take ZeRO-3's backward hooks off its leaf modules (the blocks it gathers whole, such as
+    a MoE layer's experts) for the replays: after each backward of such a module they reduce
+    and zero its parameters' gradients and count the hooks of the engine's backward (which
+    fails inside ``torch.autograd.grad``). Returns what to put back: ``(dict, key, hook)``."""
+    out = []
+    for handle in getattr(zero, "_leaf_module_hooks", []):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            out.append((hooks, handle.id, hooks.pop(handle.id)))
+    return out
+
+
 def _engine_of(seen: Seen) -> Any:
     return next((w for w in seen.wrappers if is_deepspeed_engine(w)), None)
 
@@ -158,9 +171,12 @@ class DeepSpeedApplied(Reader):
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
+        paused = _pause_leaf_hooks(self.zero) if self.stage == 3 else []
         try:
             yield
         finally:  # ZeRO-3: the replays gathered parameters DeepSpeed's step had released;
+            for hooks, key, hook in paused:
+                hooks[key] = hook
             if self.stage == 3:  # left gathered, its step's gather would skip them (stale)
                 self.zero.parameter_offload.partition_all_parameters()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["gave_up", "run_failed", "unsupported"]
+__all__ = ["gave_up", "padded", "run_failed", "unsupported"]
 
 _NAMES_A_WINDOW = re.compile(r"\bwindow (\d+)\b")
 
@@ -28,6 +28,20 @@ def gave_up(error: BaseException, window: int, keep_going: bool) -> str:
         f"not checked from window {max(window, 1)} on: the probe failed "
         f"({type(error).__name__}: {first}); "
         + ("the run went on without it" if keep_going else "the run was stopped")
+    )
+
+
+def padded(route: str, count: int) -> str:
+    """The problem line of a window in which ``route`` ran ``count`` padding micro-batches.
+
+    >>> padded("fb.Accumulator", 1)  # doctest: +ELLIPSIS
+    'unsupported: fb.Accumulator ran 1 zero-weight padding micro-batch(es) in this window...'
+    """
+    return (
+        f"unsupported: {route} ran {count} zero-weight padding micro-batch(es) in this window "
+        "(its ranks hold different numbers of micro-batches, and FSDP2 or an empty rank needs "
+        "as many forwards on each), which the probe cannot yet tell from micro-batches; probe "
+        "windows in which every rank holds as many micro-batches"
     )
 
 

@@ -16,10 +16,18 @@ _ACCUMULATOR = (
 
 def _moe_route(engine: Engine) -> str:
     """Where the MoE load-balancing loss is exact over a window (docs/moe.md)."""
+    prepass = "a pre-pass gives every micro-batch the window's counts; docs/moe.md"
     if engine.package == "transformers" and not engine.fullbatch:
         return (
-            "use fullbatch.hf.ExactTrainer(..., loss='causal_lm') in place of the Trainer (a "
-            "pre-pass gives every micro-batch the window's counts; docs/moe.md)"
+            "use fullbatch.hf.ExactTrainer(..., loss='causal_lm') in place of the Trainer "
+            f"({prepass})"
+        )
+    if engine.package == "trl" and "SFTTrainer" in (engine.trainer or ""):
+        return f"use fullbatch.trl.ExactSFTTrainer in place of trl.SFTTrainer ({prepass})"
+    if engine.package == "deepspeed":  # ExactEngine takes no window statistic yet
+        return (
+            "train with fullbatch.hf.ExactTrainer(..., loss='causal_lm') and this DeepSpeed "
+            f"config ({prepass})"
         )
     return (
         "counts = window.stats(fn) with fn returning fb.moe.router_counts(out.router_logits, "

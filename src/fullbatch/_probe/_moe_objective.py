@@ -166,29 +166,43 @@ def _routing(calls: list[Call], aux: MoeAux, sync: Any) -> tuple[dict[str, torch
     return total.counts, float(total.items)
 
 
+def _reaching(out: Any) -> torch.Tensor:
+    """Zero, through the model's logits: an aux-only backward then also enters every layer from
+    its output, where FSDP2 and ZeRO-3 gather the layer's parameters for its backward (the
+    router logits reach a layer's gate past that hook, and the gate's weight is freed)."""
+    return (logits_of(out) * 0.0).sum()
+
+
 def _aux_columns(
     window: MoeWindow, calls: list[Call], targets: list[Any], sampler: Sampler,
     pick: list[int], whole: Callable[[list[Any]], list[Any]],
 ) -> None:  # fmt: skip
     """Each call's sampled aux gradient with the window's counts, and their sum with each
-    call's own counts (one forward per call, two ``torch.autograd.grad``; no ``.grad``)."""
-    coef, own = window.aux.coef, None
+    call's own counts: two forwards per call, one ``torch.autograd.grad`` each (no ``.grad``).
+    Never one graph differentiated twice: FSDP2 and ZeRO-3 free the parameters they gathered
+    for a backward after it, so a retained graph would point at freed storage."""
+    coef, top_k, own = window.aux.coef, window.aux.top_k, None
     rng = RngState()
     try:
         with torch.enable_grad():
             for call in calls:
-                with replaying(call):
-                    out = call.module(*call.args, **_given(call))
-                logits, mask = _router_logits(out), call.kwargs.get("attention_mask")
-                mine = router_counts(logits, top_k=window.aux.top_k, attention_mask=mask)
-                g_own = grads_of(coef * load_balancing(logits, mine, attention_mask=mask),
-                                 targets, retain=True)  # fmt: skip
-                g_win = grads_of(coef * load_balancing(logits, window.counts, attention_mask=mask),
-                                 targets)  # fmt: skip
-                g_own, g_win = whole(g_own), whole(g_win)
-                window.win.append(sampler.take([g_win[j] for j in pick]))
-                taken = sampler.take([g_own[j] for j in pick])
-                own = taken if own is None else own + taken
+                mask = call.kwargs.get("attention_mask")
+                for mine in (True, False):
+                    with replaying(call):
+                        out = call.module(*call.args, **_given(call))
+                    logits = _router_logits(out)
+                    counts = (
+                        router_counts(logits, top_k=top_k, attention_mask=mask)
+                        if mine
+                        else window.counts
+                    )
+                    lb = coef * load_balancing(logits, counts, attention_mask=mask)
+                    grads = whole(grads_of(lb + _reaching(out), targets))
+                    taken = sampler.take([grads[j] for j in pick])
+                    if mine:
+                        own = taken if own is None else own + taken
+                    else:
+                        window.win.append(taken)
     finally:
         rng.restore()
     window.own = own

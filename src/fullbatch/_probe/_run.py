@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
+from fullbatch._base._sync._probe import registered_params
 from fullbatch._probe._applied import AppliedGradient, Seen, applied_gradient
 from fullbatch._probe._args import (
     DEFAULT_WINDOWS,
@@ -30,7 +31,7 @@ from fullbatch._probe._clip import ClipObserver
 from fullbatch._probe._coupled import one_per_micro
 from fullbatch._probe._early import EarlyReference
 from fullbatch._probe._engines import find_engine
-from fullbatch._probe._failures import gave_up, run_failed, unsupported
+from fullbatch._probe._failures import gave_up, padded, run_failed, unsupported
 from fullbatch._probe._hooks import Hooks, after_closure
 from fullbatch._probe._measure import close
 from fullbatch._probe._measured import Measured
@@ -183,7 +184,7 @@ class Probe:
     def sampler_for(self, module: nn.Module) -> Sampler:
         sampler = self._samplers.get(id(module))
         if sampler is None:
-            sampler = Sampler([p for p in module.parameters() if p.requires_grad])
+            sampler = Sampler([p for p in registered_params(module) if p.requires_grad])
             self._samplers[id(module)] = sampler
         return sampler
 
@@ -294,6 +295,8 @@ class Probe:
         self._windows += 1
         calls, self._outer = self._capture.take()
         self._early.new_window()
+        if self._padded(optimizer):
+            return
         kept, left_out = micro_batches(calls)
         if callable(self.objective):  # forwards on one loop value: one micro-batch of fn's
             kept, _ = one_per_micro(kept)
@@ -308,6 +311,19 @@ class Probe:
             coupled=self.coupled,
         )  # fmt: skip
         self._open.read(optimizer, reader, self._clips_of(reader))
+
+    def _padded(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the route stepping ran padding micro-batches in this window (said, and the
+        probe stopped); every rank reads the same number, so every rank stops together."""
+        engine = find_engine()
+        count = getattr(engine.trainer_object, "fullbatch_padding", None)
+        padding = count() if callable(count) else 0
+        if not padding:
+            return False
+        self._problems.append(padded(engine.name, int(padding)))
+        self._open = None
+        self._finish(optimizer)
+        return True
 
     def _read(self, optimizer: torch.optim.Optimizer) -> None:
         assert self._open is not None

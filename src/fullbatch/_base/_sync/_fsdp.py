@@ -34,6 +34,7 @@ __all__ = [
     "fsdp_mesh",
     "fsdp_meshes",
     "is_fsdp",
+    "registered_params",
     "unsharded_params",
 ]
 
@@ -108,6 +109,20 @@ def unsharded_params(model: nn.Module) -> dict[int, nn.Parameter]:
             if unsharded is not None:
                 out[id(fsdp_param.sharded_param)] = unsharded
     return out
+
+
+def registered_params(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s parameters as an optimizer built on it holds them: where FSDP2 left a module
+    unsharded (its root after a no-grad forward, which no backward reshards), ``parameters()``
+    yields the unsharded tensors in place of the sharded ``DTensor`` ones; each is mapped back
+    to its sharded parameter. Any other model: ``list(model.parameters())``."""
+    back: dict[int, nn.Parameter] = {}
+    for group in _param_groups(model):
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                back[id(unsharded)] = fsdp_param.sharded_param
+    return [back.get(id(p), p) for p in model.parameters()]
 
 
 def _divide_factor(model: nn.Module, default: float) -> float:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fullbatch._base._sync._base import Sync, sum_tensors
-from fullbatch._base._sync._fsdp import fsdp_meshes, is_fsdp, unsharded_params
+from fullbatch._base._sync._fsdp import fsdp_meshes, is_fsdp, registered_params, unsharded_params
 from fullbatch._base._sync._mesh import has_model_dims, mesh_group, window_ranks
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "is_fsdp",
     "mesh_group",
     "probe_sync",
+    "registered_params",
     "sum_tensors",
     "tensor_parallel",
     "unsharded_params",
