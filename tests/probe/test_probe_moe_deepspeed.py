@@ -63,9 +63,10 @@ def test_exact_trainer_is_right_on_every_rank(results: list[Any], want: Any) -> 
 
 
 def test_raw_engine_fix_names_a_route_that_takes_the_window_counts() -> None:
-    """A raw DeepSpeed engine: ExactEngine takes no window statistic, so the fix names the
-    Trainer route that does (never fb.Accumulator, which refuses a DeepSpeed engine)."""
+    """A raw DeepSpeed engine: the fix names ExactEngine's window statistic (and the Trainer
+    route), never fb.Accumulator, which refuses a DeepSpeed engine."""
     said = fix(NAMED, Engine("DeepSpeed", package="deepspeed"))
+    assert "fullbatch.deepspeed.ExactEngine" in said and "window.stats" in said, said
     assert "fullbatch.hf.ExactTrainer" in said and "fb.Accumulator" not in said, said
 
 

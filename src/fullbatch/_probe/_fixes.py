@@ -24,10 +24,13 @@ def _moe_route(engine: Engine) -> str:
         )
     if engine.package == "trl" and "SFTTrainer" in (engine.trainer or ""):
         return f"use fullbatch.trl.ExactSFTTrainer in place of trl.SFTTrainer ({prepass})"
-    if engine.package == "deepspeed":  # ExactEngine takes no window statistic yet
+    if engine.package == "deepspeed":  # a raw engine: ExactEngine's windows take statistics
         return (
-            "train with fullbatch.hf.ExactTrainer(..., loss='causal_lm') and this DeepSpeed "
-            f"config ({prepass})"
+            "drive the engine with fullbatch.deepspeed.ExactEngine: counts = window.stats(fn) "
+            "with fn returning fb.moe.router_counts(out.router_logits, top_k=k, "
+            "attention_mask=...), and coef * fb.moe.load_balancing(out.router_logits, counts, "
+            "attention_mask=...) added to each micro-batch's loss; with the Hugging Face "
+            f"Trainer, fullbatch.hf.ExactTrainer(..., loss='causal_lm') ({prepass})"
         )
     return (
         "counts = window.stats(fn) with fn returning fb.moe.router_counts(out.router_logits, "
