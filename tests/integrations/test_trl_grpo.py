@@ -339,15 +339,19 @@ def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> No
     gradient is 0.1 times that of the window's load-balancing loss (a tiny Mixtral, 2 windows
     of 2 micro-batches of uneven padded sequences), written in float64 here: measured 2.4e-16
     and 6.0e-16 relative; TRL's mean of the micro-batches' losses is 4.6e-2 and 1.7e-1 away.
-    The routing pre-pass ran once per window, over all its micro-batches."""
+    The routing pre-pass ran once per window, over all its micro-batches, and its time is
+    summed in ``trainer.fb_stats_seconds``."""
     from fullbatch.trl import _grpo_moe
 
     passes: list[int] = []
+    seconds: list[float] = []
     prepass = _grpo_moe.window_routing
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         passes.append(len(args[2]))  # the window's micro-batches
-        return prepass(*args, **kwargs)
+        routing = prepass(*args, **kwargs)
+        seconds.append(routing.seconds)
+        return routing
 
     monkeypatch.setattr(_grpo_moe, "window_routing", counted)
     trainer = cases.run(
@@ -361,6 +365,8 @@ def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> No
         max_steps=2,
     )
     assert passes == [2, 2]
+    assert all(s > 0 for s in seconds), seconds
+    assert trainer.fb_stats_seconds == pytest.approx(sum(seconds), rel=1e-12)
     for step in trainer._recorder.steps:
         masks = [m["completion_mask"] for m in step["micro"]]
         assert len({tuple(m.sum(1).tolist()) for m in masks}) > 1  # uneven completions

@@ -61,7 +61,8 @@ class ExactGRPOTrainer(GRPOTrainer):
     window's token-mean entropy, plus, on a transformers MoE model with TRL's
     ``router_aux_loss_coef``, that coefficient times the load-balancing loss of all the
     window's sequences (one routing pre-pass per window; TRL takes each micro-batch's and
-    averages them; docs/moe.md). The logged ``aux_loss`` is the window's.
+    averages them; docs/moe.md). The logged ``aux_loss`` is the window's; the pre-passes'
+    time on this rank, summed, is ``trainer.fb_stats_seconds``.
 
     Raises:
         ValueError: at construction, ``loss_type='bnpo'`` (no full-batch form; use
@@ -106,6 +107,7 @@ class ExactGRPOTrainer(GRPOTrainer):
         self._fb_aux = grpo_aux(self)  # TRL's MoE router aux loss, taken over the window
         self._fb_routing: WindowRouting | None = None  # the window's routing counts
         self._fb_router = 0.0  # this rank's sum of the window's load-balancing terms
+        self.fb_stats_seconds = 0.0  # the MoE routing pre-passes' time on this rank, summed
         self._fb_queue: deque[tuple[dict[str, Any], int]] = deque()
         self._fb_window: GRPOWindow | None = None
         self._fb_position = 0
@@ -144,6 +146,7 @@ class ExactGRPOTrainer(GRPOTrainer):
             model = self.accelerator.unwrap_model(self.model)
             autocast = self.accelerator.autocast()
             self._fb_routing = grpo_routing(self._fb_aux, model, prepared, summed(self), autocast)
+            self.fb_stats_seconds += self._fb_routing.seconds
         self._fb_queue = deque((inputs, j) for j, inputs in enumerate(prepared))
         return batch_samples, num_items
 
