@@ -22,11 +22,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     TrainerCallback,
 )
 
@@ -43,8 +47,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def policy(seed: int = 0, moe: bool | str = False, dtype: torch.dtype = torch.float64) -> Any:
     """A tiny Qwen2 in ``dtype``; with ``moe``, a Qwen2-MoE (``True`` or ``"qwen2_moe"``: 1
-    layer, 4 experts, 2 per token, a shared expert) or a Mixtral (``"mixtral"``: 2 layers, 4
-    experts, 2 per token)."""
+    layer, 4 experts, 2 per token, a shared expert), or a Mixtral, Qwen3-MoE or OLMoE
+    (``"mixtral"``, ``"qwen3_moe"``, ``"olmoe"``: 2 layers, 4 experts, 2 per token)."""
     common: dict[str, Any] = dict(
         vocab_size=len(VOCAB),
         hidden_size=16,
@@ -63,6 +67,12 @@ def policy(seed: int = 0, moe: bool | str = False, dtype: torch.dtype = torch.fl
     if moe == "mixtral":
         common.update(routed, num_local_experts=4, num_hidden_layers=2)
         kind, model_cls = MixtralConfig, MixtralForCausalLM
+    elif moe == "qwen3_moe":
+        common.update(routed, num_experts=4, moe_intermediate_size=16, num_hidden_layers=2)
+        kind, model_cls = Qwen3MoeConfig, Qwen3MoeForCausalLM
+    elif moe == "olmoe":
+        common.update(routed, num_experts=4, num_hidden_layers=2)
+        kind, model_cls = OlmoeConfig, OlmoeForCausalLM
     elif moe:
         common.update(routed, num_experts=4, moe_intermediate_size=16)
         common.update(shared_expert_intermediate_size=16)
@@ -86,7 +96,15 @@ def moe_kind(model_or_params: Any) -> bool | str:
     )
     if "model.layers.0.mlp.gate.weight" not in names:
         return False
-    return "qwen2_moe" if any("shared_expert" in n for n in names) else "mixtral"
+    if any("shared_expert" in n for n in names):
+        return "qwen2_moe"
+    q_norm = names.get("model.layers.0.self_attn.q_norm.weight")
+    if q_norm is None:
+        return "mixtral"
+    # OLMoE normalizes the whole query (hidden size), Qwen3-MoE each head (head_dim)
+    return (
+        "olmoe" if q_norm.shape[0] == names["model.embed_tokens.weight"].shape[1] else "qwen3_moe"
+    )
 
 
 def reward(completions: list[str], **kwargs: Any) -> list[float]:
