@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +57,19 @@ def test_moe_window_stats_exact_row_and_cost() -> None:
     assert 0 < pre and 0 < train
     # the pre-pass keeps no graph: its peak is below the training forwards and backwards'
     assert 0 < pre_peak < train_peak, (pre_peak, train_peak)
+
+
+def test_moe_grpo_aux_rows(monkeypatch: Any) -> None:
+    """docs/moe.md's GRPO table comes from ``benchmarks/moe_grpo.py``: its aux-alone rows on a
+    tiny Mixtral (one window of 4 micro-batches here), against the benchmark's float64 full
+    window: ExactGRPOTrainer to rounding, its pre-pass timed (the stock trainer's distance is
+    tested in tests/integrations/test_trl_grpo.py)."""
+    pytest.importorskip("trl")
+    bench = _load("moe_grpo")
+    monkeypatch.setattr(bench, "STEPS", 1)
+    torch.set_num_threads(1)
+
+    trainer = bench.train("mixtral", bench.ExactGRPOTrainer, 4, constant=True)
+    row = [cell.strip() for cell in bench._row("mixtral", "-", trainer).strip("|").split("|")]
+    assert float(row[2]) < 1e-12, row
+    assert 0 < float(row[3]) < 1 and 0 < float(row[4]), row

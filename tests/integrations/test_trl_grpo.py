@@ -333,12 +333,14 @@ def test_a_non_finite_window_is_skipped_as_in_every_wing() -> None:
     assert str(skips[0].message).startswith("window 1 was skipped (non-finite loss)")
 
 
-def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("moe", ["mixtral", "qwen3_moe", "olmoe"])
+def test_moe_router_term_alone_is_the_windows_in_float64(moe: str, monkeypatch: Any) -> None:
     """The aux term alone, away from TRL's float32 fused head: with one reward for every
     completion the advantages are 0, so the policy term's gradient is exactly 0 and each step's
-    gradient is 0.1 times that of the window's load-balancing loss (a tiny Mixtral, 2 windows
-    of 2 micro-batches of uneven padded sequences), written in float64 here: measured 2.4e-16
-    and 6.0e-16 relative; TRL's mean of the micro-batches' losses is 4.6e-2 and 1.7e-1 away.
+    gradient is 0.1 times that of the window's load-balancing loss (a tiny Mixtral, Qwen3-MoE
+    and OLMoE, 2 windows of 2 micro-batches of uneven padded sequences), written in float64
+    here: on the Mixtral, measured 2.4e-16 and 6.0e-16 relative; TRL's mean of the
+    micro-batches' losses is 4.6e-2 and 1.7e-1 away.
     The routing pre-pass ran once per window, over all its micro-batches, and its time is
     summed in ``trainer.fb_stats_seconds``."""
     from fullbatch.trl import _grpo_moe
@@ -356,7 +358,7 @@ def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> No
     monkeypatch.setattr(_grpo_moe, "window_routing", counted)
     trainer = cases.run(
         ExactGRPOTrainer,
-        moe="mixtral",
+        moe=moe,
         rewards=lambda completions, **kw: [1.0] * len(completions),
         loss_type="dapo",
         steps_per_generation=2,
@@ -370,7 +372,7 @@ def test_moe_router_term_alone_is_the_windows_in_float64(monkeypatch: Any) -> No
     for step in trainer._recorder.steps:
         masks = [m["completion_mask"] for m in step["micro"]]
         assert len({tuple(m.sum(1).tolist()) for m in masks}) > 1  # uneven completions
-        model = cases.policy(moe="mixtral")
+        model = cases.policy(moe=moe)
         model.load_state_dict(step["params"])
         routed = [cases._token_terms(model, m)[2] for m in step["micro"]]
         (0.1 * cases.window_aux(model, routed)).backward(retain_graph=True)
