@@ -90,14 +90,12 @@ def _row(family: str, label: str, trainer: Any) -> str:
     steps = trainer._recorder.steps
     assert [len(s["micro"]) for s in steps] == [trainer.args.gradient_accumulation_steps] * STEPS
     error = max(cases.step_errors(_windowed(trainer), steps))
-    share = "-"
+    share = "- | -"  # the stock trainer runs no pre-pass
     if isinstance(trainer, ExactGRPOTrainer):
         pre = trainer.fb_stats_seconds
         assert pre > 0, "the routing pre-pass was not timed"
         runtime = trainer.state.log_history[-1]["train_runtime"]
         share = f"{pre / runtime:.2f} | {pre / trainer.fb_train_seconds:.2f}"
-    else:
-        share = "- | -"
     return f"| {family} | {label} | {error:.1e} | {share} |"
 
 
