@@ -111,3 +111,28 @@ def test_the_objective_needs_the_window_and_a_top_k() -> None:
         fn(None, {})
     with pytest.raises(CannotJudge, match=r"no experts per token \(num_experts_per_tok=None\)"):
         dpo_objective(trainer())
+
+
+@pytest.mark.timeout(300)
+def test_dpo_moe_probe_over_two_ranks() -> None:
+    """2 gloo DDP ranks, 2 micro-batches of 2 pairs each: the probe's pre-pass sums the routing
+    counts over the ranks, so ExactDPOTrainer is right and the stock trainer's aux loss per
+    micro-batch is named on every rank, its error the one measured against the float64 full
+    batch of both ranks' pairs."""
+    from _dist import run_ranks, values
+    from _trl_dpo_moe_cases import probed_ddp_rank
+
+    ranks = values(run_ranks(probed_ddp_rank, 2, 8, 2, 2, pg_timeout=60.0, deadline=240.0))
+    for name in ("exact", "stock"):
+        rows = [r for got in ranks for r in windows(got[name]["seen"], 2)[0]]
+        assert len(rows) == 8
+        before = ranks[0][name]["steps"][0]
+        want = reference("mixtral", rows, before)
+        for got in (rank[name] for rank in ranks):
+            truth = step_error(got["steps"][1], want["after"], before)
+            assert got["world"] == 2 and got["objective"] == "dpo+moe"
+            if name == "exact":
+                assert got["ok"] and truth < 1e-6 and got["share"] == 0.0, got["patterns"]
+            else:
+                assert not got["ok"] and got["patterns"] == (NAMED,), got["patterns"]
+                assert got["share"] > 0.99 and got["error"] == pytest.approx(truth, rel=1e-4)
