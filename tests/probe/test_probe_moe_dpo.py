@@ -77,6 +77,20 @@ def test_stock_dpo_trainer_without_accumulation_is_right() -> None:
     assert truth < 1e-6 and w.error <= w.tolerance, (truth, str(report))
 
 
+def test_probed_dpo_moe_run_is_unchanged() -> None:
+    """The probe's pre-pass, aux columns and replays of TRL's loss touch neither the training
+    nor its logs: the probed stock run is bitwise the unprobed one."""
+    import torch
+
+    plain = run("mixtral", N, k=K, batch=BATCH, exact=False)
+    with fb.probe(windows=1) as probe:
+        probed = run("mixtral", N, k=K, batch=BATCH, exact=False)
+    assert not probe.report.ok  # it was checked (and is wrong)
+    after, again = plain["steps"][1], probed["steps"][1]
+    assert all(torch.equal(after[n], again[n]) for n in after)
+    assert plain["logs"] == probed["logs"]
+
+
 def _trainer(**attributes: Any) -> Any:
     """A ``trl.DPOTrainer`` not constructed: only the attributes its objective reads."""
     from trl import DPOTrainer
