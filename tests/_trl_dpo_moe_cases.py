@@ -234,3 +234,24 @@ def ddp_rank(rank: int, world: int, family: str, n: int, k: int, batch: int) -> 
         MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1",
     )  # fmt: skip
     return run(family, n, k=k, batch=batch)
+
+
+def probed_ddp_rank(rank: int, world: int, n: int, k: int, batch: int) -> dict[str, Any]:
+    """One rank of the probe's DPO MoE DDP test: ``ExactDPOTrainer`` then the stock trainer,
+    one probed window each; what each trained (as :func:`run`) and its window's verdict."""
+    import fullbatch as fb
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    out = {}
+    for name, exact in (("exact", True), ("stock", False)):
+        with fb.probe(windows=1) as probe:
+            got = run("mixtral", n, k=k, batch=batch, exact=exact)
+        (w,) = probe.report.windows
+        out[name] = {
+            **got, "ok": probe.report.ok, "patterns": w.patterns, "objective": w.objective,
+            "share": w.statistic_share, "error": w.error, "tolerance": w.tolerance,
+        }  # fmt: skip
+    return out

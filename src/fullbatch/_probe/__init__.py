@@ -78,7 +78,8 @@ One job per module:
 - ``_clip``: ``clip_grad_norm_`` observed while probing;
 - ``_moe_objective``: a transformers MoE model's objective, ``causal_lm+moe`` (inferred or
   declared): the window's routing counts in a pre-pass, each call's cross-entropy plus its
-  load-balancing term over the window, and the aux gradients the diagnosis fits;
+  load-balancing term over the window, and the aux gradients the diagnosis fits; the same for
+  a callable objective that declares it (``Routed``: TRL's DPO on a MoE model, ``dpo+moe``);
 - ``_window_stat``: a judge input, the share of a window's error an MoE load-balancing loss
   taken per micro-batch explains ("a window statistic taken per micro-batch");
 - ``_report``: :class:`ProbeReport`, :class:`WindowCheck`; ``_verdicts``: the report of the

@@ -22,8 +22,9 @@ def _moe_route(engine: Engine) -> str:
             "use fullbatch.hf.ExactTrainer(..., loss='causal_lm') in place of the Trainer "
             f"({prepass})"
         )
-    if engine.package == "trl" and "SFTTrainer" in (engine.trainer or ""):
-        return f"use fullbatch.trl.ExactSFTTrainer in place of trl.SFTTrainer ({prepass})"
+    for name in ("SFTTrainer", "DPOTrainer"):
+        if engine.package == "trl" and name in (engine.trainer or ""):
+            return f"use fullbatch.trl.Exact{name} in place of trl.{name} ({prepass})"
     if engine.package == "deepspeed":  # a raw engine: ExactEngine's windows take statistics
         return (
             "drive the engine with fullbatch.deepspeed.ExactEngine: counts = window.stats(fn) "

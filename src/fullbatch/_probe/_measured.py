@@ -107,9 +107,10 @@ class Measured:
             0.17.0's ZeRO-2 offload), so that no fix names them; None where they accept it.
         objective_source: where the objective came from (declared, inferred from a head or a
             trainer).
-        statistic: a ``causal_lm+moe`` window's load-balancing term taken per micro-batch:
-            its share of the error (:func:`fullbatch._probe._window_stat.decompose`); the
-            fit's weights are then the cross-entropy's alone. None for any other objective.
+        statistic: a MoE window's (``causal_lm+moe``, ``dpo+moe``) load-balancing term taken
+            per micro-batch: its share of the error
+            (:func:`fullbatch._probe._window_stat.decompose`); the fit's weights are then the
+            cross-entropy's (DPO's) alone. None for any other objective.
         units: other units of the declared objective that the loss may count in, each
             ``(name, factor)``: a loss in that unit weighs every micro-batch ``factor`` (a
             mean over a regression row's outputs too: 1/outputs).

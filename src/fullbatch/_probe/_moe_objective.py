@@ -16,6 +16,11 @@ load_balancing(k, window counts)`` (the terms sum to ``N`` times the full batch'
 takes, on the sampled coordinates, each call's aux gradient with the window's counts and with
 its own (the stock per-micro-batch loss): the columns the judge's diagnosis fits
 (:mod:`fullbatch._probe._window_stat`, "a window statistic taken per micro-batch").
+
+A callable objective whose loss adds the window's load balancing too (TRL's DPO on a MoE model:
+:mod:`fullbatch.trl._objective`) declares it with a :class:`Routed` as its ``routed``
+attribute: the same pre-pass and aux columns run on its own routing forward and item count,
+and the objective is the one it binds to the window's counts and ``N``.
 """
 
 from __future__ import annotations
@@ -31,16 +36,50 @@ from fullbatch._base._moe import MoeAux, load_balancing, moe_aux_of, router_coun
 from fullbatch._base._rng import RngState
 from fullbatch._base._routing import window_row
 from fullbatch._base._sync._probe import sum_tensors
-from fullbatch._probe._call_loss import LOSS_ONLY, ObjectiveFn
+from fullbatch._probe._call_loss import LOSS_ONLY, ObjectiveFn, resolve
 from fullbatch._probe._capture import Call
 from fullbatch._probe._replay import grads_of, replaying
 from fullbatch._probe._sample import Sampler
 from fullbatch._proof._objective import logits_of, objective_count, objective_loss, unwrapped
 
-__all__ = ["MOE", "MoeWindow", "aux_of", "moe_kind", "prepare"]
+__all__ = ["MOE", "MoeWindow", "Routed", "aux_of", "moe_kind", "prepare", "routed_of"]
 
 #: The objective of a transformers MoE model with its router aux loss on.
 MOE = "causal_lm+moe"
+
+
+#: A call's routing forward: ``(router logits, attention mask, the model's outputs)``.
+Forward = Callable[[Call], tuple[Any, torch.Tensor | None, Any]]
+#: A callable objective ``fn(model, micro) -> (loss_sum, count)``, as the user declares one.
+MicroObjective = Callable[[nn.Module, Any], tuple[torch.Tensor, float]]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A callable objective's declaration (its ``routed`` attribute) that its loss adds
+    ``coef · load_balancing`` over the window's routing, as a transformers MoE model does.
+
+    Attributes:
+        aux: the coefficient and top-k of the load-balancing loss, asked when the window is
+            judged (at its step: a trainer may zero its coefficient inside its own loss, as
+            ``fullbatch.trl.ExactDPOTrainer`` does to weight TRL's per-micro-batch term).
+        forward: ``(model, micro) -> (router logits, attention mask, outputs)``, the forward
+            whose routing the loss balances (run without and with gradient).
+        items: ``micro -> its count``, the objective's ``N`` unit.
+        bind: ``(window counts, N) -> fn(model, micro) -> (loss_sum, count)``: the objective
+            with ``N · coef · load_balancing(its router logits, the window's counts)`` added.
+    """
+
+    aux: Callable[[], MoeAux]
+    forward: Callable[[nn.Module, Any], tuple[Any, torch.Tensor | None, Any]]
+    items: Callable[[Any], float]
+    bind: Callable[[dict[str, torch.Tensor], float], MicroObjective]
+
+
+def routed_of(objective: Any) -> Routed | None:
+    """The :class:`Routed` a callable objective declares, or None."""
+    routed = getattr(objective, "routed", None) if callable(objective) else None
+    return routed if isinstance(routed, Routed) else None
 
 
 def aux_of(module: nn.Module) -> MoeAux | None:
@@ -137,20 +176,37 @@ def _experts(module: nn.Module) -> int:
     )
 
 
-def _routing(calls: list[Call], aux: MoeAux, sync: Any) -> tuple[dict[str, torch.Tensor], float]:
-    """The pre-pass (:func:`fullbatch._base._routing.window_row`): every call's routing counts
-    and items, summed over the window and ranks in one reduction (each forward from its call's
-    RNG state; the RNG put back after), on CPU. A rank whose pre-pass fails still joins the
-    reduction, flagged, and every rank then raises."""
+def _lm_forward(call: Call) -> tuple[Any, torch.Tensor | None, Any]:
+    """``causal_lm+moe``'s routing forward: the call as recorded, its router logits asked for."""
+    with replaying(call):
+        out = call.module(*call.args, **_given(call))
+    return _router_logits(out), call.kwargs.get("attention_mask"), out
+
+
+def _lm_items(call: Call, out: Any) -> float:
+    labels, shifted = _labels(call)
+    return objective_count("causal_lm", labels, shifted=shifted)
+
+
+def _declared(routed: Routed) -> tuple[Forward, Callable[[Call, Any], float]]:
+    """A :class:`Routed` objective's routing forward and item count on a recorded call (its
+    micro-batch as the objective receives it: ``call.user_micro()``)."""
 
     def forward(call: Call) -> tuple[Any, torch.Tensor | None, Any]:
         with replaying(call):
-            out = call.module(*call.args, **_given(call))
-        return _router_logits(out), call.kwargs.get("attention_mask"), out
+            return routed.forward(call.module, call.user_micro())
 
-    def items(call: Call, out: Any) -> float:
-        labels, shifted = _labels(call)
-        return objective_count("causal_lm", labels, shifted=shifted)
+    return forward, lambda call, out: routed.items(call.user_micro())
+
+
+def _routing(
+    calls: list[Call], aux: MoeAux, sync: Any, forward: Forward,
+    items: Callable[[Call, Any], float],
+) -> tuple[dict[str, torch.Tensor], float]:  # fmt: skip
+    """The pre-pass (:func:`fullbatch._base._routing.window_row`): every call's routing counts
+    (``forward``: from its call's RNG state) and ``items``, summed over the window and ranks in
+    one reduction (the RNG put back after), on CPU. A rank whose pre-pass fails still joins
+    the reduction, flagged, and every rank then raises."""
 
     def summed(total: torch.Tensor) -> torch.Tensor:
         if sync.world > 1:  # on the device of the inputs, as the collective needs
@@ -174,8 +230,8 @@ def _reaching(out: Any) -> torch.Tensor:
 
 
 def _aux_columns(
-    window: MoeWindow, calls: list[Call], targets: list[Any], sampler: Sampler,
-    pick: list[int], whole: Callable[[list[Any]], list[Any]],
+    window: MoeWindow, calls: list[Call], forward: Forward, targets: list[Any],
+    sampler: Sampler, pick: list[int], whole: Callable[[list[Any]], list[Any]],
 ) -> None:  # fmt: skip
     """Each call's sampled aux gradient with the window's counts, and their sum with each
     call's own counts: two forwards per call, one ``torch.autograd.grad`` each (no ``.grad``).
@@ -186,11 +242,8 @@ def _aux_columns(
     try:
         with torch.enable_grad():
             for call in calls:
-                mask = call.kwargs.get("attention_mask")
                 for mine in (True, False):
-                    with replaying(call):
-                        out = call.module(*call.args, **_given(call))
-                    logits = _router_logits(out)
+                    logits, mask, out = forward(call)
                     counts = (
                         router_counts(logits, top_k=top_k, attention_mask=mask)
                         if mine
@@ -210,19 +263,23 @@ def _aux_columns(
 
 def prepare(
     calls: list[Call], sync: Any, sampler: Sampler, params: list[Any], targets: list[Any],
-    whole: Callable[[list[Any]], list[Any]] | None = None,
+    whole: Callable[[list[Any]], list[Any]] | None = None, routed: Routed | None = None,
 ) -> tuple[ObjectiveFn, MoeWindow]:  # fmt: skip
     """The window's objective on each recorded call, and its :class:`MoeWindow` (module
     docstring). ``params``: the reference's parameters (the sampler's are among them);
-    ``targets``: what to differentiate in their place; ``whole``: what makes gradients whole."""
-    aux = aux_of(calls[0].module)
+    ``targets``: what to differentiate in their place; ``whole``: what makes gradients whole;
+    ``routed``: a callable objective's declaration (else ``causal_lm+moe``)."""
+    aux = aux_of(calls[0].module) if routed is None else routed.aux()
     if aux is None:
         raise ValueError(moe_kind(MOE, calls[0].module, declared=True))  # raises, naming why
-    counts, items = _routing(calls, aux, sync)
+    forward, count_of = (_lm_forward, _lm_items) if routed is None else _declared(routed)
+    counts, items = _routing(calls, aux, sync, forward, count_of)
     window = MoeWindow(aux, counts, items)
     where = {id(p): i for i, p in enumerate(params)}
     pick = [where[id(p)] for p in sampler.params]
-    _aux_columns(window, calls, targets, sampler, pick, whole or (lambda g: g))
+    _aux_columns(window, calls, forward, targets, sampler, pick, whole or (lambda g: g))
+    if routed is not None:  # the declared objective, bound to the window's routing
+        return resolve(routed.bind(counts, items), calls[0].module)[1], window
 
     def objective(module: nn.Module, call: Call) -> tuple[torch.Tensor, float]:
         labels, shifted = _labels(call)

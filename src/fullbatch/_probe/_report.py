@@ -99,10 +99,11 @@ class WindowCheck:
         objective_source: where the objective came from (``"declared"``, ``"inferred from
             GPT2LMHeadModel"``, ``"fullbatch.hf.ExactTrainer(loss='token')"``).
         per_optimizer: the same as ``optimizers``, as data (:class:`OptimizerCheck`).
-        statistic_share: under ``causal_lm+moe`` (a MoE model's router aux loss), the share of
-            the error that its load-balancing loss taken per micro-batch explains ("a window
-            statistic taken per micro-batch", docs/moe.md); 0.0 where it adds no error (the
-            window's routing counts were used); None under any other objective.
+        statistic_share: under ``causal_lm+moe`` or ``dpo+moe`` (a MoE model's router aux
+            loss), the share of the error that its load-balancing loss taken per micro-batch
+            explains ("a window statistic taken per micro-batch", docs/moe.md); 0.0 where it
+            adds no error (the window's routing counts were used); None under any other
+            objective.
     """
 
     step: int

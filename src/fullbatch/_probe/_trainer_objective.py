@@ -27,7 +27,8 @@ imported), any other class from ``trl`` is refused by its name.
 
 On a transformers MoE model whose forward adds its router aux loss, a trainer's
 ``"causal_lm"`` is ``"causal_lm+moe"`` (:mod:`fullbatch._probe._moe_objective`): the trainer
-trains the load balancing too.
+trains the load balancing too; TRL's ``DPOTrainer`` with its router aux loss on trains
+``"dpo+moe"``, its DPO loss plus the load balancing of the window's policy forwards.
 """
 
 from __future__ import annotations

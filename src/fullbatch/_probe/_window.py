@@ -34,7 +34,7 @@ from fullbatch._probe._capture import Call
 from fullbatch._probe._clip import Clip
 from fullbatch._probe._coupled import coupling
 from fullbatch._probe._engines import Engine
-from fullbatch._probe._moe_objective import MOE, MoeWindow, moe_kind, prepare
+from fullbatch._probe._moe_objective import MOE, MoeWindow, moe_kind, prepare, routed_of
 from fullbatch._probe._reference import LocalReference, recompute, summed_over_ranks
 from fullbatch._probe._sample import Sampler, whole_shape
 from fullbatch._probe._whole import Whole, whole_window
@@ -221,11 +221,13 @@ class OpenWindow:
             try:
                 name, fn = resolve(objective, mine[0].module)
                 name = moe_kind(name, mine[0].module, declared=objective is not None)
+                routed = routed_of(objective)  # a callable objective with the window's aux
                 with reader.replaying():
-                    if name == MOE:  # the window's routing first: its aux term needs it
+                    if name == MOE or routed is not None:  # the window's routing first
                         wrt = reader.wrt()
                         targets = list(candidates) if wrt is None else wrt
-                        fn, moe = prepare(mine, sync, sampler, candidates, targets, reader.whole)
+                        fn, moe = prepare(mine, sync, sampler, candidates, targets, reader.whole,
+                                          routed=routed)  # fmt: skip
                     rec = recompute(
                         mine, candidates, sampler, fn, wrt=reader.wrt(), whole=reader.whole
                     )
@@ -261,7 +263,9 @@ class OpenWindow:
         out._where = {id(p): i for i, p in enumerate(candidates)}
         out.objective_source = _source(objective, objective_source, mine)
         out.moe = moe
-        if moe is not None and out.objective_source.startswith("inferred"):
+        if moe is not None and (
+            out.objective_source.startswith("inferred") or routed_of(objective)
+        ):
             out.objective_source += (
                 f" with its router aux loss (router_aux_loss_coef={moe.aux.coef:g}, top-"
                 f"{moe.aux.top_k}: load balancing over the window)"

@@ -1,9 +1,10 @@
 """A diagnosis: the MoE load-balancing loss taken per micro-batch instead of over the window.
 
-In the probe (:func:`decompose`, on a ``causal_lm+moe`` window's sampled coordinates): the
-applied gradient is fitted jointly on each micro-batch's cross-entropy gradient, the leftover,
-and the two aux gradients ``own = Σ_k ∇A_k(k's counts)`` and ``win = Σ_k ∇A_k(window's
-counts)`` (``A = coef · load_balancing``: :mod:`fullbatch._probe._moe_objective`). With ``α``
+In the probe (:func:`decompose`, on a ``causal_lm+moe`` or ``dpo+moe`` window's sampled
+coordinates): the applied gradient is fitted jointly on each micro-batch's cross-entropy (or
+DPO) gradient, the leftover, and the two aux gradients ``own = Σ_k ∇A_k(k's counts)`` and
+``win = Σ_k ∇A_k(window's counts)`` (``A = coef · load_balancing``:
+:mod:`fullbatch._probe._moe_objective`). With ``α``
 the weight found on ``own``, the statistic's error is ``α · (own − win)``: what the loop
 would have applied with the window's counts instead, the weights unchanged. Its share is
 ``‖α (own − win)‖² / ‖applied − reference‖²``; the cross-entropy part of the applied gradient

@@ -35,7 +35,7 @@ from fullbatch.hf._window import summed
 from fullbatch.trl._refuse import common, dpo, reference
 from fullbatch.trl._step import offloaded_training_step
 
-__all__ = ["ExactDPOTrainer"]
+__all__ = ["ExactDPOTrainer", "policy_inputs", "policy_router_logits"]
 
 # Window counts per micro-batch: pairs, chosen tokens, rejected tokens.
 _PAIRS, _CHOSEN, _REJECTED = 0, 1, 2
@@ -48,6 +48,29 @@ _METRIC_WEIGHT = {
 }
 # What TRL 1.16's DPO keeps out of the model's forward (``_compute_loss``).
 _NOT_MODEL_INPUTS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
+def policy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword inputs of TRL's policy forward on a micro-batch's ``[chosen; rejected]``, for
+    a routing pass (no labels, no cache, one logit kept): this trainer's pre-pass and
+    ``fb.probe``'s (:mod:`fullbatch.trl._objective`) alike."""
+    given = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+    return {**given, "use_cache": False, "logits_to_keep": 1}
+
+
+def policy_router_logits(seen: list[Any]) -> Any:
+    """The policy forward's router logits among those ``router_logits_of`` saw in one call of
+    TRL's DPO loss: TRL runs the policy first; the reference's forward (no gradient) follows
+    through the same backbone only under PEFT without ``ref_model``."""
+    reference = seen[1:2] and not any(t.requires_grad for t in seen[1])
+    if not seen or len(seen) > 1 + bool(reference):
+        raise ValueError(
+            f"the micro-batch's forwards returned router_logits {len(seen)} times, expected "
+            "once for the policy (and once more, without gradient, for a PEFT reference); "
+            "the window's load-balancing loss needs them. Set router_aux_loss_coef=0.0 in the "
+            "DPOConfig to train without it."
+        )
+    return seen[0]
 
 
 class ExactDPOTrainer(ExactTrainer, DPOTrainer):
@@ -142,11 +165,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             )
         aux = MoeAux(float(self.router_aux_loss_coef), top_k)
         model.train()
-        micro = []
-        for batch in batches:
-            inputs = self._prepare_inputs(batch)
-            given = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
-            micro.append({**given, "use_cache": False, "logits_to_keep": 1})
+        micro = [policy_inputs(self._prepare_inputs(batch)) for batch in batches]
         pairs = lambda inputs, outputs: inputs["input_ids"].shape[0] // 2  # noqa: E731
         return window_routing(aux, model, micro, pairs, summed(self))
 
@@ -196,20 +215,7 @@ class ExactDPOTrainer(ExactTrainer, DPOTrainer):
             return nullcontext([])
         return router_logits_of(self.accelerator.unwrap_model(model))
 
-    @staticmethod
-    def _policy_logits(seen: list[Any]) -> Any:
-        """The policy forward's router logits: TRL runs it first; the reference's forward
-        (no gradient) follows through the same backbone only under PEFT without
-        ``ref_model``."""
-        reference = seen[1:2] and not any(t.requires_grad for t in seen[1])
-        if not seen or len(seen) > 1 + bool(reference):
-            raise ValueError(
-                f"the micro-batch's forwards returned router_logits {len(seen)} times, expected "
-                "once for the policy (and once more, without gradient, for a PEFT reference); "
-                "ExactDPOTrainer needs them for the window's load-balancing loss. Set "
-                "router_aux_loss_coef=0.0 in the DPOConfig to train without it."
-            )
-        return seen[0]
+    _policy_logits = staticmethod(policy_router_logits)
 
     def exact_micro_stats(self) -> list[torch.Tensor]:
         stats, self._fb_aux = self._fb_aux, []

@@ -12,10 +12,18 @@ runs on a stand-in for the trainer (:class:`_Quiet`) that keeps the metrics it a
 token count and its gathers to itself: the probe's evaluation logs nothing and talks to no
 other rank.
 
+On a transformers MoE model with TRL's router aux loss on (``aux_loss_enabled``) the full batch
+also trains ``router_aux_loss_coef · load_balancing`` over all the window's policy forwards
+(what ``ExactDPOTrainer`` trains): the objective (``"dpo+moe"``) declares it with a
+:class:`fullbatch._probe._moe_objective.Routed`, whose routing forward is TRL's policy forward
+(:func:`fullbatch.trl._dpo.policy_inputs`); bound to the window's counts, each micro-batch's
+loss is TRL's with its own aux term weighted by zero, plus ``N · coef · load_balancing(its
+policy router logits, the window's counts)``, as ``ExactDPOTrainer.exact_loss`` adds it.
+
 What has no such form is refused with the reason (the probe says it, exit 2, before anything
 trains): ``sft`` mixed with a pair-level loss (two counts in one loss), ``aot``/
-``aot_unpaired`` (they sort a batch's pairs against each other), an enabled MoE router loss,
-a subclass that overrides ``compute_loss``.
+``aot_unpaired`` (they sort a batch's pairs against each other), an MoE router loss on a model
+whose config names no experts per token, a subclass that overrides ``compute_loss``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from typing import Any
 import torch
 from trl import DPOTrainer
 
+from fullbatch._base._moe import MoeAux
+from fullbatch._probe._moe_objective import Routed
+from fullbatch.hf._moe import WindowRouting, router_logits_of
+from fullbatch.trl._dpo import policy_inputs, policy_router_logits
 from fullbatch.trl._refuse import _BATCH_COUPLED
 from fullbatch.trl._sft import per_token_loss
 
@@ -57,10 +69,13 @@ class _LocalAccelerator:
 
 class _Quiet:
     """The trainer as its loss code reads it; what that code writes (metrics, the token count)
-    stays here, and its gathers are local."""
+    stays here, and its gathers are local. ``router_aux_loss_coef``: TRL's MoE coefficient
+    as this stand-in has it (zero: TRL's per-micro-batch aux term weighted by zero)."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, *, router_aux_loss_coef: float | None = None) -> None:
         self._trainer = trainer
+        if router_aux_loss_coef is not None:
+            self.router_aux_loss_coef = router_aux_loss_coef
         self._metrics: Any = defaultdict(lambda: defaultdict(list))
         self._total_train_tokens = 0
         self.accelerator = _LocalAccelerator(trainer.accelerator)
@@ -125,28 +140,84 @@ def dpo_objective(trainer: Any) -> tuple[Callable[[torch.nn.Module, Any], Any], 
             f"loss_type={types} mixes the 'sft' term (a mean over chosen tokens) with pair-level "
             "terms (means over pairs): two counts in one loss"
         )
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise CannotJudge(
-            "the MoE router auxiliary loss is a statistic of each micro-batch's routing"
-        )
     owner = _overrides(trainer)
     if owner is not None:
         raise CannotJudge(f"{owner} overrides compute_loss")
     in_tokens = types == ["sft"]
+    unit = "chosen tokens" if in_tokens else "pairs"
+    what = f"loss_type={types}, summed over {unit}"
+    if getattr(trainer, "aux_loss_enabled", False):  # the coefficient: fb.probe says it
+        return _unbound(_routed(trainer, in_tokens)), what
     quiet = _Quiet(trainer)
 
     def dpo(model: torch.nn.Module, micro: Any) -> tuple[torch.Tensor, float]:
         inputs = _inputs(micro, trainer)
         loss = DPOTrainer._compute_loss(quiet, model, inputs, False)  # type: ignore[arg-type]
-        if in_tokens:
-            count = float(inputs["completion_mask"][..., 1:].chunk(2, dim=0)[0].sum())
-        else:
-            count = float(inputs["completion_mask"].shape[0] // 2)
+        count = _count(inputs, in_tokens)
         return loss * count, count
 
     dpo.paired_rows = True  # type: ignore[attr-defined]  # [chosen; rejected]: not reversed, not joined
-    unit = "chosen tokens" if in_tokens else "pairs"
-    return dpo, f"loss_type={types}, summed over {unit}"
+    return dpo, what
+
+
+def _count(inputs: dict[str, Any], in_tokens: bool) -> float:
+    """The micro-batch's count: its chosen completion tokens for ``["sft"]``, else its pairs."""
+    if in_tokens:
+        return float(inputs["completion_mask"][..., 1:].chunk(2, dim=0)[0].sum())
+    return float(inputs["completion_mask"].shape[0] // 2)
+
+
+def _routed(trainer: Any, in_tokens: bool) -> Routed:
+    """TRL's DPO loss with the window's load balancing in place of each micro-batch's (module
+    docstring): the routing pass, the count and the objective bound to the window."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        raise CannotJudge(
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef} on {type(model).__name__}, "
+            f"whose config names no experts per token (num_experts_per_tok={top_k!r}), so its "
+            "load-balancing loss cannot be computed"
+        )
+    aux = lambda: MoeAux(float(trainer.router_aux_loss_coef), top_k)  # noqa: E731  # at the step
+    quiet = _Quiet(trainer, router_aux_loss_coef=0.0)  # TRL's per-micro-batch aux term: 0
+
+    def forward(module: torch.nn.Module, micro: Any) -> tuple[Any, Any, Any]:
+        inputs = _inputs(micro, trainer)
+        out = module(**policy_inputs(inputs), output_router_logits=True)
+        return out.router_logits, inputs.get("attention_mask"), out
+
+    def bind(counts: dict[str, torch.Tensor], items: float) -> Any:
+        routing = WindowRouting(aux(), counts, items)
+
+        def dpo_moe(module: torch.nn.Module, micro: Any) -> tuple[torch.Tensor, float]:
+            inputs = _inputs(micro, trainer)
+            with router_logits_of(trainer.accelerator.unwrap_model(module)) as seen:
+                loss = DPOTrainer._compute_loss(quiet, module, inputs, False)  # type: ignore[arg-type]
+            count = _count(inputs, in_tokens)
+            term = routing.term_of(policy_router_logits(seen), inputs.get("attention_mask"))
+            return loss * count + term.to(loss.dtype), count
+
+        dpo_moe.paired_rows = True  # type: ignore[attr-defined]
+        dpo_moe.__name__ = "dpo+moe"
+        return dpo_moe
+
+    return Routed(aux, forward, lambda micro: _count(_inputs(micro, trainer), in_tokens), bind)
+
+
+def _unbound(routed: Routed) -> Callable[[torch.nn.Module, Any], Any]:
+    """The objective as the probe receives it: it needs the window's routing counts, which the
+    probe's pre-pass binds (``routed``); called unbound, it says so."""
+
+    def unbound(model: torch.nn.Module, micro: Any) -> tuple[torch.Tensor, float]:
+        raise CannotJudge(
+            "the DPO objective with the MoE load balancing needs the window's routing counts "
+            "(fb.probe's pre-pass binds them)"
+        )
+
+    unbound.paired_rows = True  # type: ignore[attr-defined]
+    unbound.routed = routed  # type: ignore[attr-defined]
+    unbound.__name__ = "dpo+moe"
+    return unbound
 
 
 def sft_objective(trainer: Any) -> tuple[Callable[[torch.nn.Module, Any], Any], str]:
