@@ -189,3 +189,52 @@ def test_help_names_the_windows_and_every_exit_status() -> None:
                  "3  nothing checked", "4  the script failed", "never the script's own",
                  "rank 0"):  # fmt: skip
         assert line in text, line
+
+
+PROCESS_GROUP_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+store = dist.FileStore(os.path.join(os.getcwd(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = torch.nn.Linear(4, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+for n in (1, 3, 2, 5) * 2:  # 2 windows of 4 micro-batches, 11 rows each
+    x, y = torch.randn(n, 4), torch.randint(3, (n,))
+    F.cross_entropy(model(x), y, reduction="sum").div(11).backward()
+    if n == 5:
+        opt.step()
+        opt.zero_grad()
+"""  # a script that leaves its process group up, as many do
+
+LAUNCHER = """
+import sys
+import torch.distributed as dist
+from fullbatch.cli import main
+
+code = main(sys.argv[1:])
+print("process group left up:", dist.is_initialized())
+sys.exit(code)
+"""
+
+
+def test_the_process_group_a_finished_script_left_up_is_destroyed(folder: Path) -> None:
+    """Gloo's threads can abort an exit with the group alive (torchrun then reports the abort,
+    not the probe's status): the probe destroys it once the script has finished."""
+    (folder / "pg.py").write_text(textwrap.dedent(PROCESS_GROUP_SCRIPT))
+    (folder / "launch.py").write_text(textwrap.dedent(LAUNCHER))
+    env = {**os.environ, "PYTHONPATH": _SRC}
+    command = [
+        sys.executable, "launch.py", "probe", "--objective", "sample", "--windows", "all",
+        "--", "python", "pg.py",
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=folder, env=env, timeout=240
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "fullbatch probe: RIGHT (windows 1-2 checked" in result.stdout, output
+    assert "process group left up: False" in result.stdout, output
