@@ -181,18 +181,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: the script failed (exit status {status}); fullbatch probe exits {code}")
         for write in writers:
             write(report, code, status)
-    if status in (None, 0) and not failed:
-        _release_process_group()
+    if status in (None, 0) and not failed:  # not after a failure: a rank may be in a collective
+        from fullbatch._base._sync._probe import release_process_group
+
+        release_process_group()
     return code
-
-
-def _release_process_group() -> None:
-    """Destroy the default process group a finished script left up. Exiting with it alive lets
-    Gloo's worker threads abort the interpreter's teardown now and then (SIGABRT: "terminate
-    called without an active exception"), and torchrun would then report that rank's abort in
-    place of the probe's exit status. Not after the script failed: another rank may still be
-    inside a collective."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -31,6 +31,7 @@ __all__ = [
     "mesh_group",
     "probe_sync",
     "registered_params",
+    "release_process_group",
     "sum_tensors",
     "tensor_parallel",
     "unsharded_params",
@@ -107,6 +108,18 @@ def default_rank() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     return None
+
+
+def release_process_group() -> None:
+    """Destroy the default process group a finished script left up, if there is one. Exiting
+    with it alive lets Gloo's worker threads abort the interpreter's teardown now and then
+    (SIGABRT: "terminate called without an active exception"), and torchrun then reports that
+    rank's abort in place of the probe's exit status.
+
+    >>> release_process_group()  # no group: nothing to do
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def tensor_parallel(params: tuple[nn.Parameter, ...], modules: tuple[nn.Module, ...]) -> bool:
