@@ -84,7 +84,11 @@ def test_one_report_and_one_exit_status_on_every_rank(
         r: (tmp_path / f"rank{r}").read_text() for r in (0, 1) if (tmp_path / f"rank{r}").exists()
     }
     assert statuses == {0: str(status), 1: str(status)}, output
-    assert (result.returncode == 0) == (status == 0), output
+    # torchrun's own code: a rank's status, unless Gloo aborted that rank's interpreter
+    # teardown after its status was written (a torch issue: pytorch/pytorch#179291; the probe
+    # frees the group first, docs/probe.md says to gate on --json): only that abort is let by.
+    teardown = "terminate called without an active exception" in output
+    assert (result.returncode == 0) == (status == 0) or (teardown and status == 0), output
     assert output.count("fullbatch probe:") == 1, output  # rank 0 alone prints the report
     assert f"fullbatch probe: {verdict} (" in result.stdout, output
     assert "windows 1-2 checked" in result.stdout

@@ -13,6 +13,7 @@ parameters, alone or under FSDP2/HSDP) it says which ranks hold other data
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch.distributed as dist
@@ -116,10 +117,15 @@ def release_process_group() -> None:
     (SIGABRT: "terminate called without an active exception"), and torchrun then reports that
     rank's abort in place of the probe's exit status.
 
+    The script's objects (a DDP module's reducer holds the group) are collected first, so
+    the group is freed now, while the interpreter is whole, not during its teardown.
+
     >>> release_process_group()  # no group: nothing to do
     """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def tensor_parallel(params: tuple[nn.Parameter, ...], modules: tuple[nn.Module, ...]) -> bool:
